@@ -1,0 +1,233 @@
+"""The target catalog: typed views over the YAML files beside this module.
+
+Everything about a model, an engine, a node type, a topology or a target lives in
+the data files; this module only loads and checks them, and expands the SGLang
+matrix of 004 (hardware x strategy x precision) into ordinary targets.
+"""
+
+from __future__ import annotations
+
+import copy
+from functools import cache
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field
+
+DATA = Path(__file__).parent
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Model(_Strict):
+    repo: str
+    revision: str
+    served_name: str
+    family: str
+    precision: Literal["fp8", "bf16", "nvfp4"]
+    weight_gib: float
+    layers: int
+    context: int
+    modalities: list[str]
+    attention: str
+    params_total_b: float | None = None
+    params_active_b: float | None = None
+    experts: int | None = None
+    experts_active: int | None = None
+    mtp_layers: int = 0
+    experimental: bool = False
+    license: str | None = None
+
+
+class Hardware(_Strict):
+    vendor: Literal["nvidia", "amd"]
+    product: str
+    arch: Literal["hopper", "blackwell", "cdna3", "cdna4"]
+    gpus_per_node: int
+    memory_mib: int
+    cpu_arch: Literal["x86_64", "aarch64"]
+    interconnect: Literal["nvswitch", "mnnvl", "xgmi"]
+    host_software: list[Literal["fabric_manager", "nvlsm", "imex", "rocm"]]
+    compute_capability: str | None = None
+    gfx: str | None = None
+    driver_floor: str | None = None
+    rocm_floor: str | None = None
+
+
+class Engine(_Strict):
+    label: str
+    venv: str
+    packages: dict[str, str]
+    programs: dict[str, list[str]]
+    flashinfer_floor: str | None = None
+
+
+class TopologyProcess(_Strict):
+    role: Literal["worker", "prefill", "decode", "router", "etcd"]
+    group: str
+    gpus: Literal["all"] | list[int] | None = None
+    each: bool = False
+    ports: dict[str, int] = Field(default_factory=dict)
+
+
+class Topology(_Strict):
+    summary: str
+    groups: dict[str, int]
+    processes: list[TopologyProcess]
+
+
+class RoleSettings(_Strict):
+    args: dict[str, Any] = Field(default_factory=dict)
+    env: dict[str, Any] = Field(default_factory=dict)
+
+
+class Target(_Strict):
+    name: str
+    summary: str
+    seed: str
+    model: str
+    engine: str
+    hardware: str
+    topology: str
+    tp: int
+    rdma: bool = False
+    strategy: str | None = None
+    precision: str | None = None
+    # role -> settings, already layered (bundles, strategy, vendor, own roles)
+    roles: dict[str, RoleSettings]
+
+
+class Option(_Strict):
+    summary: str
+    engines: list[str]
+    roles: dict[str, RoleSettings]
+    draft_model: str | None = None
+
+
+def merge(base: dict, layer: dict) -> dict:
+    """Deep-merge layer onto base; a None value in layer deletes the key."""
+    out = copy.deepcopy(base)
+    for key, value in layer.items():
+        if value is None:
+            out.pop(key, None)
+        elif isinstance(value, dict) and isinstance(out.get(key), dict) and key not in _OPAQUE:
+            out[key] = merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def merge_keep_nulls(base: dict, layer: dict) -> dict:
+    """Like merge, but keep None values so a later merge can delete with them."""
+    out = copy.deepcopy(base)
+    for key, value in layer.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict) and key not in _OPAQUE:
+            out[key] = merge_keep_nulls(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def _is_flag_map(key: str) -> bool:
+    return key.startswith("-")
+
+
+class _Opaque(set):
+    """Keys whose dict values are whole values (JSON args), never merged into."""
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, str) and _is_flag_map(key)
+
+
+_OPAQUE = _Opaque()
+
+
+def _load(name: str) -> dict:
+    return yaml.safe_load((DATA / name).read_text())
+
+
+class Catalog:
+    def __init__(self) -> None:
+        self.models = {k: Model(**v) for k, v in _load("models.yml")["models"].items()}
+        self.hardware = {k: Hardware(**v) for k, v in _load("hardware.yml")["hardware"].items()}
+        self.engines = {k: Engine(**v) for k, v in _load("engines.yml")["engines"].items()}
+        self.topologies = {
+            k: Topology(**v) for k, v in _load("topologies.yml")["topologies"].items()
+        }
+        raw = _load("targets.yml")
+        self.bundles: dict[str, dict] = raw["bundles"]
+        self.options = {k: Option(**v) for k, v in raw["options"].items()}
+        specs = dict(raw["targets"])
+        specs.update(_expand_sglang(raw["sglang"]))
+        self.targets = {name: self._target(name, spec) for name, spec in specs.items()}
+
+    def _target(self, name: str, spec: dict) -> Target:
+        roles: dict = {}
+        for bundle in spec.get("use", []):
+            roles = merge_keep_nulls(roles, self.bundles[bundle]["roles"])
+        for layer in spec.get("layers", []):
+            roles = merge_keep_nulls(roles, layer)
+        roles = merge_keep_nulls(roles, spec.get("roles", {}))
+        fields = {k: v for k, v in spec.items() if k not in ("use", "layers", "roles")}
+        target = Target(name=name, roles=roles, **fields)
+        for ref, table in (
+            (target.model, self.models),
+            (target.engine, self.engines),
+            (target.hardware, self.hardware),
+            (target.topology, self.topologies),
+        ):
+            if ref not in table:
+                raise ValueError(f"catalog: target {name} refers to unknown {ref!r}")
+        return target
+
+
+def _expand_sglang(matrix: dict) -> dict[str, dict]:
+    """sglang-<hw>-<strategy>[-<precision>] and sglang-<hw>-pd from 004's matrix."""
+    base = {"seed": "004", "engine": "sglang", "use": ["offline-cache", "sglang-glm53"]}
+    out: dict[str, dict] = {}
+    hw_table = _load("hardware.yml")["hardware"]
+    for hw, cell in matrix["hardware"].items():
+        vendor_layer = matrix["amd"]["roles"] if hw_table[hw]["vendor"] == "amd" else {}
+        mem = {"engines": {"args": {"--mem-fraction-static": cell["mem_fraction"]}}}
+        for precision, topology in cell["layouts"].items():
+            suffix = "" if precision == "fp8" else f"-{precision}"
+            multinode = [matrix["multinode"]["roles"]] if topology.endswith("2node") else []
+            for strategy, strat in matrix["strategies"].items():
+                nodes = "two nodes" if multinode else "one node"
+                out[f"sglang-{hw}-{strategy}{suffix}"] = {
+                    **base,
+                    "summary": f"GLM-5.3 {precision.upper()}, SGLang {strategy} on "
+                    f"{nodes} of {hw_table[hw]['gpus_per_node']}x {hw.upper()}",
+                    "model": matrix["model_by_precision"][precision],
+                    "hardware": hw,
+                    "topology": topology,
+                    "tp": cell["tp"] * (2 if multinode else 1),
+                    "strategy": strategy,
+                    "precision": precision,
+                    "layers": [mem, strat["roles"], *multinode, vendor_layer],
+                }
+        pd = matrix["pd"]
+        out[f"sglang-{hw}-pd"] = {
+            **base,
+            "summary": f"GLM-5.3 FP8, SGLang prefill/decode over Mooncake on two "
+            f"{hw_table[hw]['gpus_per_node']}x {hw.upper()} nodes behind sglang-router",
+            "model": matrix["model_by_precision"]["fp8"],
+            "hardware": hw,
+            "topology": "sglang-pd",
+            "tp": cell["tp"],
+            "rdma": True,
+            "strategy": pd["strategy"],
+            "precision": "fp8",
+            "layers": [mem, matrix["strategies"][pd["strategy"]]["roles"], pd["roles"],
+                       vendor_layer],
+        }
+    return out
+
+
+@cache
+def load() -> Catalog:
+    """The catalog, loaded once per process."""
+    return Catalog()

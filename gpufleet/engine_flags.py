@@ -1,0 +1,172 @@
+"""What the pinned engines and routers accept on their command lines.
+
+The tables in ``catalog/engine-cli/`` were dumped from the real packages (argparse
+tables for vLLM, SGLang and Dynamo's vLLM worker; ``--help`` text for the routers
+and the Dynamo frontend). This module turns them into one lookup and checks an argv
+against it: an unknown flag, a value outside the flag's choices, a missing value or a
+JSON value that does not parse is a problem. Like argparse, it does not check free-form
+values such as parser names; the engines check those later.
+
+Stdlib only: the lab's stand-in engines ship a copy of this file and parse with it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from functools import cache
+from pathlib import Path
+
+TABLE_DIR = Path(__file__).parent / "catalog" / "engine-cli"
+
+# program key -> (human name, table files). Dynamo's vLLM worker takes its own
+# options plus every vLLM engine option.
+PROGRAMS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "vllm serve": ("vLLM 0.33.0 `vllm serve`", ("vllm-0.33.0-serve-flags.json",)),
+    "sglang.launch_server": ("SGLang 0.5.23 server", ("sglang-0.5.23-server-flags.json",)),
+    "dynamo.vllm": (
+        "Dynamo 1.6.1 `python -m dynamo.vllm`",
+        ("dynamo-1.6.1-vllm-worker-flags.json", "vllm-0.33.0-serve-flags.json"),
+    ),
+    "dynamo.frontend": ("Dynamo 1.6.1 frontend", ("dynamo-1.6.1-frontend-help.txt",)),
+    "dynamo.mocker": ("Dynamo 1.6.1 mocker", ("dynamo-1.6.1-mocker-help.txt",)),
+    "vllm-router": ("vllm-router 0.1.17", ("vllm-router-0.1.17-help.txt",)),
+    "sglang_router.launch_router": (
+        "sglang-router 0.3.2 launch_router",
+        ("sglang-router-0.3.2-launch-help.txt",),
+    ),
+}
+
+# How many positional arguments each program takes (vllm serve: the model).
+POSITIONALS = {"vllm serve": 1}
+
+_OPTION_LINE = re.compile(r"^ {2}(-\S.*?)(?: {2,}.*)?$")
+
+
+def parse_help(text: str) -> dict[str, dict]:
+    """Option table from argparse ``--help`` output: {flag: {choices, nargs}}."""
+    table: dict[str, dict] = {}
+    for line in text.splitlines():
+        m = _OPTION_LINE.match(line)
+        if not m:
+            continue
+        for alias in m.group(1).split(", "):
+            name, _, rest = alias.partition(" ")
+            if not name.startswith("-"):
+                continue
+            choices, nargs = None, None
+            if not rest:
+                nargs = 0
+            elif rest.startswith("{"):
+                choices = rest.strip("{}").split(",")
+            elif rest.startswith("[") and rest.endswith("...]"):
+                nargs = "*"
+            elif rest.endswith("...]"):
+                nargs = "+"
+            elif rest.startswith("["):
+                nargs = "?"
+            table[name] = {"choices": choices, "nargs": nargs}
+    return table
+
+
+@cache
+def table(program: str) -> dict[str, dict]:
+    """The merged option table of a program key in PROGRAMS."""
+    merged: dict[str, dict] = {}
+    for name in PROGRAMS[program][1]:
+        text = (TABLE_DIR / name).read_text()
+        entries = json.loads(text) if name.endswith(".json") else parse_help(text)
+        for flag, spec in entries.items():
+            merged.setdefault(flag, spec)
+    return merged
+
+
+def program_of(argv: list[str]) -> tuple[str | None, int]:
+    """(program key, index of the first argument) for an argv, or (None, 0)."""
+    exe = Path(argv[0]).name
+    if exe == "vllm" and len(argv) > 1 and argv[1] == "serve":
+        return "vllm serve", 2
+    if exe in PROGRAMS:
+        return exe, 1
+    if exe.startswith("python") and len(argv) > 2 and argv[1] == "-m":
+        module = argv[2]
+        if module in PROGRAMS:
+            return module, 3
+    return None, 0
+
+
+def _takes_value(spec: dict, nxt: str | None) -> str:
+    """'none', 'one', 'many' or 'optional' for a flag spec and the next token."""
+    nargs = spec.get("nargs", "unknown")
+    if nargs == 0:
+        return "none"
+    if nargs in ("+", "*"):
+        return "many"
+    if nargs == "?":
+        return "optional"
+    if nargs is None:
+        return "one"
+    # Tables without nargs (SGLang, Dynamo): a value follows unless the next
+    # token is another option.
+    return "one" if nxt is not None and not _is_option(nxt) else "none"
+
+
+def _is_option(token: str) -> bool:
+    return token.startswith("-") and not re.fullmatch(r"-\d+(\.\d+)?", token)
+
+
+def check(argv: list[str]) -> list[str]:
+    """Problems with argv for the pinned version of its program ([] when it parses)."""
+    program, i = program_of(argv)
+    if program is None:
+        return []
+    label = PROGRAMS[program][0]
+    flags = table(program)
+    problems: list[str] = []
+    positionals = 0
+    while i < len(argv):
+        token = argv[i]
+        i += 1
+        if not _is_option(token):
+            positionals += 1
+            if positionals > POSITIONALS.get(program, 0):
+                problems.append(f"{label}: unexpected argument {token!r}")
+            continue
+        flag, eq, inline = token.partition("=")
+        spec = flags.get(flag)
+        if spec is None:
+            problems.append(f"{label}: unknown flag {flag}")
+            continue
+        values: list[str] = []
+        mode = "one" if eq else _takes_value(spec, argv[i] if i < len(argv) else None)
+        if eq:
+            values = [inline]
+        elif mode == "one":
+            if i >= len(argv) or _is_option(argv[i]):
+                problems.append(f"{label}: {flag} needs a value")
+                continue
+            values = [argv[i]]
+            i += 1
+        elif mode in ("many", "optional"):
+            while i < len(argv) and not _is_option(argv[i]):
+                values.append(argv[i])
+                i += 1
+                if mode == "optional":
+                    break
+            if mode == "many" and spec.get("nargs") == "+" and not values:
+                problems.append(f"{label}: {flag} needs at least one value")
+        for value in values:
+            problems.extend(_check_value(label, flag, spec, value))
+    return problems
+
+
+def _check_value(label: str, flag: str, spec: dict, value: str) -> list[str]:
+    choices = spec.get("choices")
+    if choices and value not in choices:
+        return [f"{label}: {flag} {value!r} is not one of {', '.join(choices)}"]
+    if value[:1] in "{[":
+        try:
+            json.loads(value)
+        except ValueError as exc:
+            return [f"{label}: {flag} value is not valid JSON ({exc}): {value}"]
+    return []

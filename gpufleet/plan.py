@@ -1,0 +1,440 @@
+"""The planner: (target, inventory, overrides) -> every process that must run.
+
+A pure function over the catalog. It places each role of the target's topology on
+inventory hosts, renders argv and environment from the layered settings, derives
+what every host must have, and runs the validation rules. Anything wrong raises
+PlanError listing every problem with the field, the value and the fix; nothing else
+in the project renders a command line.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import shlex
+from dataclasses import asdict, dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from . import catalog as cat
+from . import inventory as inv_mod
+
+ENGINE_ROLES = ("worker", "prefill", "decode")
+START_ORDER = {"etcd": 0, "worker": 1, "prefill": 1, "decode": 1, "router": 2}
+DEFAULT_CACHE_DIR = "/var/cache/gpufleet/hf"
+# Fit check: weights may take at most this share of the memory an engine may use;
+# the rest is KV cache, activations and CUDA graphs.
+WEIGHT_SHARE = 0.85
+DEFAULT_MEM_FRACTION = {"vllm": 0.9, "dynamo": 0.9, "sglang": 0.8}
+ENGINE_TIMEOUT_S = 3600  # first load + graph capture takes tens of minutes (002)
+ROUTER_TIMEOUT_S = 300
+
+
+@dataclass
+class Problem:
+    field: str
+    message: str
+    fix: str
+
+    def __str__(self) -> str:
+        return f"{self.field}: {self.message}. Fix: {self.fix}"
+
+
+class PlanError(Exception):
+    def __init__(self, problems: list[Problem]):
+        self.problems = problems
+        super().__init__("\n".join(f"- {p}" for p in problems))
+
+
+class Overrides(BaseModel):
+    """What an operator may change on top of a target (CLI --with/--set, inventory vars)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    options: list[str] = Field(default_factory=list)
+    # role (or `engines`) -> flag -> value; None drops the flag
+    args: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    env: dict[str, dict[str, str | None]] = Field(default_factory=dict)
+    ports: dict[str, dict[str, int]] = Field(default_factory=dict)
+    model_revision: str | None = None
+    cache_dir: str = DEFAULT_CACHE_DIR
+    hf_endpoint: str | None = None
+
+
+@dataclass
+class Process:
+    name: str
+    role: str
+    host: str
+    address: str
+    argv: list[str]
+    env: dict[str, str]
+    unit: str
+    ports: dict[str, int]
+    gpus: list[int]
+    order: int
+    readiness: dict
+    node_rank: int = 0
+    args: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    def to_json(self) -> dict:
+        out = asdict(self)
+        out.pop("args")
+        out.pop("address")
+        return out
+
+    @property
+    def command(self) -> str:
+        return shlex.join(self.argv)
+
+
+@dataclass
+class Plan:
+    target: cat.Target
+    model: cat.Model
+    engine: cat.Engine
+    hardware: cat.Hardware
+    processes: list[Process]
+    hosts: dict[str, dict]
+    cache: dict
+    endpoint: str
+    warnings: list[str]
+    options: list[str]
+    inventory: str
+
+    def to_json(self) -> dict:
+        return {
+            "target": self.target.name,
+            "summary": self.target.summary,
+            "engine": self.target.engine,
+            "hardware": self.target.hardware,
+            "options": self.options,
+            "model": {
+                "repo": self.model.repo,
+                "revision": self.cache["models"][0]["revision"],
+                "served_name": self.model.served_name,
+            },
+            "endpoint": self.endpoint,
+            "processes": [p.to_json() for p in self.processes],
+            "hosts": self.hosts,
+            "cache": self.cache,
+            "warnings": self.warnings,
+            "inventory": self.inventory,
+        }
+
+    def by_role(self, role: str) -> list[Process]:
+        return [p for p in self.processes if p.role == role]
+
+
+# --------------------------------------------------------------------------- helpers
+
+def suggest(name: str, choices: list[str]) -> str:
+    near = difflib.get_close_matches(name, choices, n=3, cutoff=0.5)
+    if near:
+        return "did you mean " + " or ".join(near) + "? (`fab targets` lists all)"
+    return "run `fab targets` to list the targets"
+
+
+def render_value(value: Any) -> list[str]:
+    if value is True:
+        return []
+    if isinstance(value, dict):
+        return [json.dumps(value, separators=(",", ":"))]
+    if isinstance(value, list):
+        return [str(v) for v in value]
+    return [str(value)]
+
+
+def _fmt(value: Any, ctx: dict) -> Any:
+    if isinstance(value, str):
+        return value.format_map(ctx)
+    if isinstance(value, list):
+        return [_fmt(v, ctx) for v in value]
+    return value
+
+
+def _ns(proc: Process | None, viewer: Process) -> SimpleNamespace | None:
+    """A process as seen from viewer: same host -> loopback address."""
+    if proc is None:
+        return None
+    address = "127.0.0.1" if proc.host == viewer.host else proc.address
+    port = proc.ports.get("http") or proc.ports.get("client")
+    return SimpleNamespace(
+        address=address,
+        host=proc.host,
+        ports=SimpleNamespace(**proc.ports),
+        url=f"http://{address}:{port}",
+    )
+
+
+def _role_settings(roles: dict[str, cat.RoleSettings | dict], role: str) -> tuple[dict, dict]:
+    args: dict = {}
+    env: dict = {}
+    keys = ["engines", role] if role in ENGINE_ROLES else [role]
+    for key in keys:
+        layer = roles.get(key)
+        if layer is None:
+            continue
+        data = layer.model_dump() if isinstance(layer, cat.RoleSettings) else layer
+        args.update(data.get("args", {}))
+        env.update(data.get("env", {}))
+    return (
+        {k: v for k, v in args.items() if v is not None and v is not False},
+        {k: v for k, v in env.items() if v is not None},
+    )
+
+
+# --------------------------------------------------------------------------- planner
+
+def make_plan(
+    target_name: str,
+    inventory: inv_mod.Inventory | None = None,
+    overrides: Overrides | dict | None = None,
+) -> Plan:
+    """The plan for a target on an inventory (placeholder hosts when None)."""
+    catalog = cat.load()
+    if target_name not in catalog.targets:
+        raise PlanError([Problem(
+            "target", f"unknown target {target_name!r}",
+            suggest(target_name, sorted(catalog.targets)))])
+    target = catalog.targets[target_name]
+    try:
+        ov = overrides if isinstance(overrides, Overrides) else Overrides(**(overrides or {}))
+    except ValidationError as exc:
+        raise PlanError([
+            Problem("overrides." + ".".join(str(p) for p in e["loc"]), e["msg"],
+                    "see inventories/sample/group_vars/all.yml for the accepted overrides")
+            for e in exc.errors()
+        ]) from None
+    model = catalog.models[target.model]
+    engine = catalog.engines[target.engine]
+    hardware = catalog.hardware[target.hardware]
+    topology = catalog.topologies[target.topology]
+
+    problems: list[Problem] = []
+    roles, draft = _layer_options(catalog, target, ov, problems)
+    inventory = inventory or inv_mod.placeholder(topology.groups)
+    problems += _check_inventory(target, topology, hardware, inventory)
+    if problems:
+        raise PlanError(problems)
+
+    processes = _place(target, topology, hardware, inventory, ov)
+    revision = ov.model_revision or model.revision
+    cache = _cache(ov, model, draft, revision, catalog)
+    _render(processes, roles, target, model, draft, engine, catalog, cache, ov)
+
+    from . import rules  # the rules read plans; imported here to keep the cycle local
+
+    plan = Plan(
+        target=target, model=model, engine=engine, hardware=hardware,
+        processes=processes, hosts={}, cache=cache, endpoint=_endpoint(processes, model),
+        warnings=[], options=list(ov.options), inventory=inventory.source,
+    )
+    plan.hosts = _host_requirements(plan, inventory)
+    problems += rules.check(plan, catalog)
+    if problems:
+        raise PlanError(problems)
+    plan.warnings += rules.warnings(plan)
+    return plan
+
+
+def _layer_options(catalog, target, ov: Overrides, problems: list[Problem]):
+    roles = {k: v.model_dump() for k, v in target.roles.items()}
+    draft = None
+    for name in ov.options:
+        option = catalog.options.get(name)
+        if option is None:
+            problems.append(Problem(
+                "with", f"unknown option {name!r}",
+                f"choose from {', '.join(sorted(catalog.options))}"))
+            continue
+        if target.engine not in option.engines:
+            problems.append(Problem(
+                "with", f"option {name!r} applies to {', '.join(option.engines)} targets, "
+                f"not to {target.name} ({target.engine})",
+                f"drop --with {name} or pick an sglang-* target"))
+            continue
+        roles = cat.merge_keep_nulls(roles, {k: v.model_dump() for k, v in option.roles.items()})
+        if option.draft_model:
+            draft = catalog.models[option.draft_model]
+    for role, flags in ov.args.items():
+        roles = cat.merge_keep_nulls(roles, {role: {"args": flags}})
+    for role, env in ov.env.items():
+        roles = cat.merge_keep_nulls(roles, {role: {"env": env}})
+    return roles, draft
+
+
+def _check_inventory(target, topology, hardware, inventory) -> list[Problem]:
+    problems = []
+    for group, count in topology.groups.items():
+        hosts = inventory.group(group)
+        if len(hosts) != count:
+            problems.append(Problem(
+                f"inventory.{group}",
+                f"target {target.name} needs exactly {count} host(s) in group {group!r}, "
+                f"the inventory has {len(hosts)}"
+                + (f" ({', '.join(h.name for h in hosts)})" if hosts else ""),
+                f"put {count} host(s) in [{group}] (groups this target uses: "
+                f"{', '.join(topology.groups)})"))
+        for host in hosts:
+            declared = host.vars.get("gpufleet_hardware")
+            if declared and declared != target.hardware:
+                problems.append(Problem(
+                    f"inventory.{host.name}.gpufleet_hardware",
+                    f"host is declared {declared!r} but {target.name} runs on "
+                    f"{target.hardware} ({hardware.product})",
+                    f"pick a {declared} target or hosts with {hardware.product} GPUs"))
+    return problems
+
+
+def _place(target, topology, hardware, inventory, ov: Overrides) -> list[Process]:
+    processes: list[Process] = []
+    for spec in topology.processes:
+        hosts = inventory.group(spec.group)
+        placed = hosts if spec.each else hosts[:1]
+        for rank, host in enumerate(placed):
+            if spec.gpus == "all":
+                gpus = list(range(hardware.gpus_per_node))
+            else:
+                gpus = list(spec.gpus or [])
+            ports = {**spec.ports, **ov.ports.get(spec.role, {})}
+            processes.append(Process(
+                name=spec.role if len(placed) == 1 else f"{spec.role}-{rank}",
+                role=spec.role, host=host.name, address=host.address, argv=[], env={},
+                unit="", ports=ports, gpus=gpus, order=START_ORDER[spec.role],
+                readiness={}, node_rank=rank))
+    for p in processes:
+        p.unit = f"gpufleet-{p.name}.service"
+    return processes
+
+
+def _cache(ov: Overrides, model, draft, revision: str, catalog) -> dict:
+    models = [{"repo": model.repo, "revision": revision, "weight_gib": model.weight_gib}]
+    if draft:
+        models.append({"repo": draft.repo, "revision": draft.revision,
+                       "weight_gib": draft.weight_gib})
+    total = sum(m["weight_gib"] for m in models)
+    return {
+        "path": ov.cache_dir,
+        "hub": ov.cache_dir.rstrip("/") + "/hub",
+        "models": models,
+        "weight_gib": total,
+        # room for the checkpoint plus 10% for temporary files while downloading
+        "min_free_gib": round(total * 1.1, 1),
+        "hf_endpoint": ov.hf_endpoint,
+    }
+
+
+def _render(processes, roles, target, model, draft, engine, catalog, cache, ov) -> None:
+    by_role = {p.role: p for p in processes}
+    firsts = {}
+    for p in processes:
+        firsts.setdefault(p.role, p)
+    for p in processes:
+        args, env = _role_settings(roles, p.role)
+        ctx = {
+            "self": SimpleNamespace(address=p.address, ports=SimpleNamespace(**p.ports),
+                                    node_rank=p.node_rank),
+            "model": model,
+            "draft": draft,
+            "tp": target.tp,
+            "cache": SimpleNamespace(**{k: v for k, v in cache.items() if k != "models"}),
+            "prefill": _ns(by_role.get("prefill"), p),
+            "decode": _ns(by_role.get("decode"), p),
+            "etcd": _ns(by_role.get("etcd"), p),
+        }
+        # multi-node ranks reach rank 0 at its real address, never loopback
+        first = firsts[p.role]
+        ctx["first"] = SimpleNamespace(address=first.address,
+                                       ports=SimpleNamespace(**first.ports))
+        p.args = {flag: _fmt(value, ctx) for flag, value in args.items()}
+        p.env = {k: str(_fmt(v, ctx)) for k, v in env.items()}
+        if p.gpus:
+            var = "CUDA_VISIBLE_DEVICES" if catalog.hardware[target.hardware].vendor == \
+                "nvidia" else "HIP_VISIBLE_DEVICES"
+            p.env = {var: ",".join(map(str, p.gpus)), **p.env}
+        program_key = "etcd" if p.role == "etcd" else (
+            "router" if p.role == "router" else "engine")
+        venv = catalog.engines["etcd"].venv if p.role == "etcd" else engine.venv
+        programs = (catalog.engines["etcd"] if p.role == "etcd" else engine).programs
+        prefix = [_fmt(x, {"model": model}) for x in programs[program_key]]
+        prefix[0] = f"{venv.rstrip('/')}/{prefix[0]}"
+        p.argv = prefix + [tok for flag, value in p.args.items()
+                           for tok in [flag, *render_value(value)]]
+        p.readiness = _readiness(p, target, model)
+
+
+def _readiness(p: Process, target, model) -> dict:
+    host = "127.0.0.1"
+    if p.role == "etcd":
+        return {"url": f"http://{p.address}:{p.ports['client']}/health",
+                "timeout_s": ROUTER_TIMEOUT_S}
+    if p.role == "router":
+        return {"url": f"http://{host}:{p.ports['http']}/health",
+                "models_url": f"http://{host}:{p.ports['http']}/v1/models",
+                "served_name": model.served_name, "timeout_s": ROUTER_TIMEOUT_S}
+    if target.engine == "dynamo":
+        return {"url": f"http://{host}:{p.ports['system']}/health",
+                "timeout_s": ENGINE_TIMEOUT_S}
+    if target.engine == "sglang" and p.node_rank > 0:
+        # ranks > 0 serve no HTTP; their readiness is rank 0 answering
+        return {"process": "worker-0", "timeout_s": ENGINE_TIMEOUT_S}
+    base = f"http://{host}:{p.ports['http']}"
+    out = {"url": f"{base}/health", "timeout_s": ENGINE_TIMEOUT_S,
+           "generate_url": f"{base}/v1/completions", "served_name": model.served_name}
+    if target.engine == "sglang":
+        out["generate_url"] = f"{base}/health_generate"
+    if p.role == "prefill" or p.role == "decode":
+        # a PD pool only generates together with its peer: the router's check covers it
+        out.pop("generate_url")
+    return out
+
+
+def _endpoint(processes: list[Process], model) -> str:
+    front = next((p for p in processes if p.role == "router"), None)
+    if front is None:
+        front = next(p for p in processes if p.role == "worker")
+    return f"http://{front.address}:{front.ports['http']}/v1"
+
+
+def _host_requirements(plan: Plan, inventory: inv_mod.Inventory) -> dict[str, dict]:
+    hw, engine, target = plan.hardware, plan.engine, plan.target
+    deployment_hosts = sorted({p.host for p in plan.processes})
+    out: dict[str, dict] = {}
+    multi_node_engine = len({p.host for p in plan.processes if p.role in ENGINE_ROLES}) > 1
+    for name in deployment_hosts:
+        procs = [p for p in plan.processes if p.host == name]
+        gpus = sorted({g for p in procs for g in p.gpus})
+        ucx = {k: v for p in procs for k, v in p.env.items() if k.startswith("UCX_")}
+        req: dict[str, Any] = {
+            "address": inventory.hosts[name].address,
+            "roles": [p.role for p in procs],
+            "units": [p.unit for p in procs],
+            "ports": sorted(port for p in procs for port in p.ports.values()),
+            "cpu_arch": hw.cpu_arch,
+            "engine": {"name": target.engine, "venv": engine.venv,
+                       "packages": engine.packages},
+            "flashinfer_floor": engine.flashinfer_floor,
+            "cache": {"path": plan.cache["path"], "min_free_gib": plan.cache["min_free_gib"]},
+            "ucx_env": ucx,
+        }
+        if gpus:
+            req["gpu"] = {
+                "vendor": hw.vendor, "product": hw.product, "arch": hw.arch,
+                "count": hw.gpus_per_node, "used": gpus, "memory_mib": hw.memory_mib,
+                "compute_capability": hw.compute_capability, "gfx": hw.gfx,
+            }
+            req["driver_floor"] = hw.driver_floor
+            req["rocm_floor"] = hw.rocm_floor
+            req["fabric_manager"] = "fabric_manager" in hw.host_software
+            req["nvlsm"] = "nvlsm" in hw.host_software
+            req["imex"] = (
+                {"domain": [inventory.hosts[h].address for h in deployment_hosts]}
+                if "imex" in hw.host_software else None
+            )
+            req["rdma"] = bool(target.rdma or multi_node_engine)
+            req["peermem"] = req["rdma"] and hw.vendor == "nvidia"
+        out[name] = req
+    return out

@@ -1,0 +1,294 @@
+"""Validation rules over a rendered plan.
+
+Each rule looks at what will really run (the rendered flags and environment of every
+process), so a wrong combination is caught whether it came from the catalog, an
+option or an operator override. A rule returns Problems naming the field, the value
+and the fix. RULES is the list `make_plan` runs; tests remove rules one at a time to
+prove each one is what catches its case.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+
+from . import engine_flags
+from .plan import ENGINE_ROLES, WEIGHT_SHARE, Plan, Problem, Process
+
+# Flags and environment that must be identical on prefill and decode: the KV
+# handshake (NIXL compatibility hash, Mooncake) refuses a pair that differs.
+SPECULATIVE_FLAGS = (
+    "--speculative-config", "--speculative-algorithm", "--speculative-num-steps",
+    "--speculative-eagle-topk", "--speculative-num-draft-tokens",
+    "--speculative-draft-model-path",
+)
+LAYOUT_ENV = ("VLLM_SSM_CONV_STATE_LAYOUT", "VLLM_KV_CACHE_LAYOUT")
+KV_FLAGS = ("--kv-cache-dtype", "--tensor-parallel-size", "--block-size")
+
+
+def _engines(plan: Plan) -> list[Process]:
+    return [p for p in plan.processes if p.role in ENGINE_ROLES]
+
+
+def _int(p: Process, *flags: str, default: int = 1) -> int:
+    for flag in flags:
+        if flag in p.args:
+            return int(p.args[flag])
+    return default
+
+
+def _pd_pair(plan: Plan) -> tuple[Process, Process] | None:
+    prefill, decode = plan.by_role("prefill"), plan.by_role("decode")
+    return (prefill[0], decode[0]) if prefill and decode else None
+
+
+def _spec(p: Process) -> dict:
+    out = {}
+    for flag in SPECULATIVE_FLAGS:
+        if flag in p.args:
+            value = p.args[flag]
+            out[flag] = value
+    return out
+
+
+def speculative_matches(plan: Plan, catalog) -> list[Problem]:
+    pair = _pd_pair(plan)
+    if not pair or _spec(pair[0]) == _spec(pair[1]):
+        return []
+    return [Problem(
+        "args.speculative",
+        f"prefill and decode use different speculative decoding settings "
+        f"(prefill {_spec(pair[0]) or 'none'}, decode {_spec(pair[1]) or 'none'}); "
+        "the KV handshake refuses the pair and 000 says num_speculative_tokens must match",
+        "set the same speculative settings on both roles (override `engines`, not one role)")]
+
+
+def layouts_match(plan: Plan, catalog) -> list[Problem]:
+    pair = _pd_pair(plan)
+    if not pair:
+        return []
+    problems = []
+    for var in LAYOUT_ENV:
+        a, b = pair[0].env.get(var), pair[1].env.get(var)
+        if a != b:
+            problems.append(Problem(
+                f"env.{var}", f"prefill has {a!r}, decode has {b!r}; the KV layouts must be "
+                "pinned identically on both pools (NIXL compatibility hash)",
+                f"set {var} to the same value on prefill and decode"))
+    for flag in KV_FLAGS:
+        a, b = pair[0].args.get(flag), pair[1].args.get(flag)
+        if a != b:
+            problems.append(Problem(
+                f"args.{flag}", f"prefill has {a!r}, decode has {b!r}; the KV cache layout "
+                "must match for the transfer", f"set {flag} the same on prefill and decode"))
+    return problems
+
+
+def fp8_kv_on_hopper(plan: Plan, catalog) -> list[Problem]:
+    if plan.model.family != "glm-5.3-flash" or plan.hardware.arch != "hopper":
+        return []
+    bad = [p for p in _engines(plan) if str(p.args.get("--kv-cache-dtype", "")).startswith("fp8")]
+    if not bad:
+        return []
+    return [Problem(
+        "args.--kv-cache-dtype",
+        f"{bad[0].args['--kv-cache-dtype']} on {plan.hardware.product} ({bad[0].role}): Hopper "
+        "does not support FP8 KV cache for GLM-5.3-Flash and must run BF16 KV (000)",
+        "drop --kv-cache-dtype (BF16 KV) or use Blackwell GPUs, e.g. target b200-pd-1node")]
+
+
+def weights_fit(plan: Plan, catalog) -> list[Problem]:
+    from .plan import DEFAULT_MEM_FRACTION
+
+    weight = plan.cache["weight_gib"]
+    gib_per_gpu = plan.hardware.memory_mib / 1024
+    problems = []
+    seen = set()
+    for p in _engines(plan):
+        if p.role in seen:
+            continue
+        seen.add(p.role)
+        nodes = len([q for q in plan.processes if q.role == p.role])
+        gpus = len(p.gpus) * nodes
+        fraction = float(p.args.get("--gpu-memory-utilization")
+                         or p.args.get("--mem-fraction-static")
+                         or DEFAULT_MEM_FRACTION[plan.target.engine])
+        usable = gpus * gib_per_gpu * fraction
+        if weight <= usable * WEIGHT_SHARE:
+            continue
+        problems.append(Problem(
+            f"{p.role}.memory",
+            f"{plan.model.repo} needs {weight:.0f} GiB of weights but the {p.role} engine has "
+            f"{gpus} x {gib_per_gpu:.1f} GiB x {fraction:.2f} = {usable:.0f} GiB, of which at "
+            f"most {WEIGHT_SHARE:.0%} ({usable * WEIGHT_SHARE:.0f} GiB) may hold weights "
+            "(the rest is KV cache and activations)",
+            "use the FP8 checkpoint, a multi-node layout (more nodes), or GPUs with more "
+            "memory (b300, mi325x, mi355x)"))
+    return problems
+
+
+def nvfp4_needs_blackwell(plan: Plan, catalog) -> list[Problem]:
+    if plan.model.precision != "nvfp4" or plan.hardware.arch == "blackwell":
+        return []
+    return [Problem(
+        "model", f"{plan.model.repo} is NVFP4, which runs only on Blackwell, not on "
+        f"{plan.hardware.product}", "use the FP8 checkpoint or B200/B300/GB300 nodes")]
+
+
+def parallel_matches_gpus(plan: Plan, catalog) -> list[Problem]:
+    problems = []
+    for p in _engines(plan):
+        nodes = _int(p, "--nnodes")
+        tp = _int(p, "--tensor-parallel-size", "-tp", "--tp-size")
+        pp = _int(p, "--pipeline-parallel-size", "-pp", "--pp-size")
+        dp = _int(p, "--data-parallel-size", "-dp", "--dp-size")
+        if plan.target.engine == "sglang" and "--enable-dp-attention" in p.args:
+            dp = 1  # DP attention splits the TP group; it adds no GPUs
+        need = tp * pp * dp
+        have = len(p.gpus) * nodes
+        if need != have:
+            problems.append(Problem(
+                f"{p.name}.parallelism",
+                f"TP {tp} x PP {pp} x DP {dp} = {need} GPUs but {p.name} on {p.host} is given "
+                f"{have} ({len(p.gpus)} GPU(s) x {nodes} node(s))",
+                "make tensor x pipeline x data parallel sizes equal the GPUs of the role"))
+    return problems
+
+
+def gpus_disjoint(plan: Plan, catalog) -> list[Problem]:
+    problems = []
+    limit = plan.hardware.gpus_per_node
+    by_host: dict[str, dict[int, str]] = {}
+    for p in plan.processes:
+        owners = by_host.setdefault(p.host, {})
+        for g in p.gpus:
+            if g >= limit:
+                problems.append(Problem(
+                    f"{p.name}.gpus", f"GPU {g} does not exist on a {plan.hardware.product} "
+                    f"node ({limit} GPUs)", f"use GPU indices 0-{limit - 1}"))
+            elif g in owners:
+                problems.append(Problem(
+                    f"{p.name}.gpus", f"GPU {g} on {p.host} is already used by {owners[g]}",
+                    "give prefill and decode separate GPUs (e.g. 0-3 and 4-7)"))
+            else:
+                owners[g] = p.name
+    return problems
+
+
+def ports_unique(plan: Plan, catalog) -> list[Problem]:
+    problems = []
+    by_host: dict[str, dict[int, str]] = {}
+    for p in plan.processes:
+        used = by_host.setdefault(p.host, {})
+        for name, port in p.ports.items():
+            if port in used:
+                problems.append(Problem(
+                    f"{p.name}.ports.{name}", f"port {port} on {p.host} is also used by "
+                    f"{used[port]}", f"set ports.{p.role}.{name} to a free port"))
+            else:
+                used[port] = f"{p.name} ({name})"
+    return problems
+
+
+def no_speculative_on_amd(plan: Plan, catalog) -> list[Problem]:
+    if plan.hardware.vendor != "amd":
+        return []
+    for p in _engines(plan):
+        flags = [f for f in SPECULATIVE_FLAGS if f in p.args]
+        if flags:
+            return [Problem(
+                f"{p.role}.{flags[0]}", f"speculative decoding on {plan.hardware.product}: the "
+                "gfx950 draft kernel is not validated (004)",
+                "remove the --speculative-* flags; serve without MTP on AMD")]
+    return []
+
+
+def dflash2_constraints(plan: Plan, catalog) -> list[Problem]:
+    problems = []
+    for p in _engines(plan):
+        if p.args.get("--speculative-algorithm") != "DFLASH":
+            continue
+        if plan.hardware.vendor != "nvidia":
+            problems.append(Problem(
+                "with.dflash2", f"DFlash2 runs on CUDA only, not on {plan.hardware.product}",
+                "drop --with dflash2 on AMD"))
+        if "--enable-dp-attention" in p.args:
+            problems.append(Problem(
+                "with.dflash2", f"DFlash2 rejects DP attention, which {plan.target.name} "
+                "enables", "use a low-latency target with --with dflash2"))
+        break
+    return problems
+
+
+def no_zigzag(plan: Plan, catalog) -> list[Problem]:
+    for p in _engines(plan):
+        if p.args.get("--cp-strategy") == "zigzag":
+            return [Problem(
+                f"{p.role}.--cp-strategy", "zigzag prefill context parallelism is temporarily "
+                "unavailable for GLM-5.3 (004)", "use --cp-strategy interleave (--with cp)")]
+    return []
+
+
+def layer_split_needs_pd_mooncake(plan: Plan, catalog) -> list[Problem]:
+    for p in _engines(plan):
+        if "--enable-dsa-cache-layer-split" not in p.args:
+            continue
+        backend = p.args.get("--disaggregation-transfer-backend", "mooncake")
+        if p.role != "prefill" or backend != "mooncake":
+            return [Problem(
+                "with.layer-split", f"LayerSplit needs a PD prefill worker on Mooncake; "
+                f"{plan.target.name} runs it on {p.role} with {backend if p.role == 'prefill' else 'no PD'}",
+                "use an sglang-<hw>-pd target with the mooncake transfer backend")]
+    return []
+
+
+def fp8_kv_option_on_hopper_only(plan: Plan, catalog) -> list[Problem]:
+    if "fp8-kv" in plan.options and plan.hardware.arch != "hopper":
+        return [Problem(
+            "with.fp8-kv", f"{plan.hardware.product} already runs FP8 KV for DSA models (004: "
+            "auto-selected on Blackwell); the fp8-kv kernels are the Hopper path",
+            "drop --with fp8-kv")]
+    return []
+
+
+def flags_accepted(plan: Plan, catalog) -> list[Problem]:
+    problems = []
+    for p in plan.processes:
+        for issue in engine_flags.check(p.argv):
+            problems.append(Problem(
+                f"{p.name}.argv", issue,
+                "remove or correct the flag (tables: gpufleet/catalog/engine-cli/)"))
+    return problems
+
+
+RULES: list[Callable[[Plan, object], list[Problem]]] = [
+    speculative_matches,
+    layouts_match,
+    fp8_kv_on_hopper,
+    weights_fit,
+    nvfp4_needs_blackwell,
+    parallel_matches_gpus,
+    gpus_disjoint,
+    ports_unique,
+    no_speculative_on_amd,
+    dflash2_constraints,
+    no_zigzag,
+    layer_split_needs_pd_mooncake,
+    fp8_kv_option_on_hopper_only,
+    flags_accepted,
+]
+
+
+def check(plan: Plan, catalog) -> list[Problem]:
+    return [problem for rule in RULES for problem in rule(plan, catalog)]
+
+
+def warnings(plan: Plan) -> list[str]:
+    out = []
+    if _pd_pair(plan):
+        out.append("n > 1 (several choices per request) is not supported by disaggregated "
+                   "targets (002); clients must send n=1")
+    if plan.model.experimental:
+        out.append(f"{plan.model.repo} is experimental (004): accuracy and throughput data "
+                   "are still pending")
+    return out

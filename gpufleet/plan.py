@@ -58,6 +58,7 @@ class Overrides(BaseModel):
     args: dict[str, dict[str, Any]] = Field(default_factory=dict)
     env: dict[str, dict[str, str | None]] = Field(default_factory=dict)
     ports: dict[str, dict[str, int]] = Field(default_factory=dict)
+    gpus: dict[str, list[int]] = Field(default_factory=dict)  # role -> GPU indices
     model_revision: str | None = None
     cache_dir: str = DEFAULT_CACHE_DIR
     hf_endpoint: str | None = None
@@ -295,7 +296,9 @@ def _place(target, topology, hardware, inventory, ov: Overrides) -> list[Process
         hosts = inventory.group(spec.group)
         placed = hosts if spec.each else hosts[:1]
         for rank, host in enumerate(placed):
-            if spec.gpus == "all":
+            if spec.role in ov.gpus:
+                gpus = list(ov.gpus[spec.role])
+            elif spec.gpus == "all":
                 gpus = list(range(hardware.gpus_per_node))
             else:
                 gpus = list(spec.gpus or [])

@@ -9,7 +9,6 @@ prove each one is what catches its case.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 
 from . import engine_flags
@@ -230,16 +229,20 @@ def no_zigzag(plan: Plan, catalog) -> list[Problem]:
 
 
 def layer_split_needs_pd_mooncake(plan: Plan, catalog) -> list[Problem]:
-    for p in _engines(plan):
-        if "--enable-dsa-cache-layer-split" not in p.args:
-            continue
-        backend = p.args.get("--disaggregation-transfer-backend", "mooncake")
-        if p.role != "prefill" or backend != "mooncake":
-            return [Problem(
-                "with.layer-split", f"LayerSplit needs a PD prefill worker on Mooncake; "
-                f"{plan.target.name} runs it on {p.role} with {backend if p.role == 'prefill' else 'no PD'}",
-                "use an sglang-<hw>-pd target with the mooncake transfer backend")]
-    return []
+    prefill = plan.by_role("prefill")
+    backend = prefill[0].args.get("--disaggregation-transfer-backend") if prefill else None
+    misplaced = [p.name for p in _engines(plan)
+                 if "--enable-dsa-cache-layer-split" in p.args and p.role != "prefill"]
+    wanted = "layer-split" in plan.options or misplaced or any(
+        "--enable-dsa-cache-layer-split" in p.args for p in prefill)
+    if not wanted or (prefill and backend == "mooncake" and not misplaced):
+        return []
+    where = (f"{plan.target.name} has no prefill role" if not prefill
+             else f"its transfer backend is {backend}" if backend != "mooncake"
+             else f"it is set on {', '.join(misplaced)}")
+    return [Problem(
+        "with.layer-split", f"LayerSplit needs a PD prefill worker on Mooncake (004); {where}",
+        "use an sglang-<hw>-pd target with --disaggregation-transfer-backend mooncake")]
 
 
 def fp8_kv_option_on_hopper_only(plan: Plan, catalog) -> list[Problem]:

@@ -1,0 +1,143 @@
+"""Operator-facing glue: overrides from the command line and the inventory, plan output.
+
+`tasks.py` (fab) and the Ansible plugin both come through here, so a target, an
+inventory and overrides turn into a plan the same way wherever they come from.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import yaml
+
+from . import catalog as cat
+from . import inventory as inv_mod
+from .plan import Overrides, Plan, PlanError, Problem, make_plan
+
+# inventory variable -> Overrides field
+INVENTORY_OVERRIDES = {
+    "gpufleet_with": "options",
+    "gpufleet_args": "args",
+    "gpufleet_env": "env",
+    "gpufleet_ports": "ports",
+    "gpufleet_gpus": "gpus",
+    "gpufleet_model_revision": "model_revision",
+    "gpufleet_cache_dir": "cache_dir",
+    "gpufleet_hf_endpoint": "hf_endpoint",
+}
+
+
+def split_csv(value: str | list | None) -> list[str]:
+    if not value:
+        return []
+    items = value if isinstance(value, list) else value.split(",")
+    return [i.strip() for i in items if i.strip()]
+
+
+def parse_set(items: list[str], unset: list[str]) -> dict:
+    """`ROLE:--flag=value` / `ROLE:ENV_VAR=value` / unset `ROLE:--flag` -> overrides."""
+    out: dict = {"args": {}, "env": {}}
+    for raw, is_unset in [(i, False) for i in items] + [(i, True) for i in unset]:
+        role, sep, rest = raw.partition(":")
+        key, eq, value = rest.partition("=")
+        if not sep or not key or (not is_unset and not eq):
+            form = "ROLE:KEY" if is_unset else "ROLE:KEY=VALUE"
+            raise PlanError([Problem(
+                "set", f"{raw!r} is not {form}",
+                "write e.g. --set decode:--max-num-seqs=256, --set engines:UCX_TLS=tcp "
+                "or --unset decode:--enforce-eager")])
+        kind = "args" if key.startswith("-") else "env"
+        parsed: object = None if is_unset else yaml.safe_load(value) if kind == "args" else value
+        if parsed == "" and kind == "args":
+            parsed = True
+        out[kind].setdefault(role, {})[key] = parsed
+    return out
+
+
+def overrides_from(inventory: inv_mod.Inventory | None, options: list[str],
+                   sets: dict) -> dict:
+    """Inventory variables first, then the command line on top."""
+    data: dict = {}
+    if inventory is not None:
+        for var, key in INVENTORY_OVERRIDES.items():
+            if var in inventory.vars:
+                data[key] = inventory.vars[var]
+    if "options" in data:
+        data["options"] = split_csv(data["options"])
+    data["options"] = data.get("options", []) + [o for o in options
+                                                 if o not in data.get("options", [])]
+    for kind in ("args", "env"):
+        for role, values in sets.get(kind, {}).items():
+            data.setdefault(kind, {}).setdefault(role, {}).update(values)
+    return data
+
+
+def target_from(inventory: inv_mod.Inventory | None, target: str | None) -> str:
+    if target:
+        return target
+    if inventory is not None and inventory.vars.get("gpufleet_target"):
+        return str(inventory.vars["gpufleet_target"])
+    raise PlanError([Problem(
+        "target", "no target given",
+        "pass --target NAME or set gpufleet_target in the inventory (fab targets lists them)")])
+
+
+def build(target: str | None, inventory_path: str | None, with_: str = "",
+          set_: list[str] | None = None, unset: list[str] | None = None) -> Plan:
+    """The plan for command-line arguments. Raises PlanError / InventoryError."""
+    inventory = inv_mod.load(inventory_path) if inventory_path else None
+    name = target_from(inventory, target)
+    overrides = overrides_from(inventory, split_csv(with_), parse_set(set_ or [], unset or []))
+    return make_plan(name, inventory, Overrides(**overrides) if overrides else None)
+
+
+def targets_table() -> list[dict]:
+    catalog = cat.load()
+    return [
+        {"name": name, "summary": t.summary, "engine": t.engine, "hardware": t.hardware,
+         "model": catalog.models[t.model].repo, "seed": t.seed}
+        for name, t in sorted(catalog.targets.items())
+    ]
+
+
+def print_table(rows: list[list[str]], out=sys.stdout) -> None:
+    widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
+    for n, row in enumerate(rows):
+        print("  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)).rstrip(),
+              file=out)
+        if n == 0:
+            print("  ".join("-" * w for w in widths), file=out)
+
+
+def plan_text(plan: Plan, out=sys.stdout) -> None:
+    t = plan.target
+    print(f"target    {t.name}: {t.summary}", file=out)
+    print(f"model     {plan.model.repo} @ {plan.cache['models'][0]['revision']} "
+          f"(served as {plan.model.served_name}, {plan.model.weight_gib:.0f} GiB)", file=out)
+    print(f"engine    {plan.engine.label}", file=out)
+    print(f"hardware  {plan.hardware.gpus_per_node}x {plan.hardware.product} per node "
+          f"({plan.hardware.cpu_arch})", file=out)
+    if plan.options:
+        print(f"options   {', '.join(plan.options)}", file=out)
+    print(f"endpoint  {plan.endpoint}", file=out)
+    print(f"cache     {plan.cache['path']} (needs {plan.cache['min_free_gib']} GiB free)",
+          file=out)
+    print("", file=out)
+    rows = [["order", "process", "host", "unit", "gpus", "ports"]]
+    for p in sorted(plan.processes, key=lambda p: (p.order, p.name)):
+        rows.append([str(p.order), p.name, p.host, p.unit,
+                     ",".join(map(str, p.gpus)) or "-",
+                     " ".join(f"{k}={v}" for k, v in p.ports.items())])
+    print_table(rows, out)
+    for p in plan.processes:
+        print(f"\n# {p.name} on {p.host}", file=out)
+        for k, v in p.env.items():
+            print(f"{k}={v} \\", file=out)
+        print(p.command, file=out)
+    for w in plan.warnings:
+        print(f"\nwarning: {w}", file=out)
+
+
+def plan_json(plan: Plan) -> str:
+    return json.dumps(plan.to_json(), indent=2)

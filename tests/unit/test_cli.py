@@ -1,0 +1,107 @@
+"""The operator interfaces other tools rely on: `fab targets`, `fab plan` (text and
+the JSON shape fixed in DESIGN.md), exit codes, and inventories read by Ansible."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parents[2]
+FAB = str(Path(sys.executable).with_name("fab"))
+REQUIRED_TARGETS = {
+    "gb200-tray", "h200-pd-1node", "b200-pd-1node", "h200-agg", "h200-disagg",
+    "gb200-agg", "gb200-disagg", "sglang-h200-low-latency", "sglang-b300-balanced-bf16",
+    "sglang-gb300-high-throughput-nvfp4", "sglang-mi355x-pd", "sglang-h200-low-latency-bf16",
+}
+
+
+def fab(*args, check=True):
+    proc = subprocess.run([FAB, *args], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "NO_COLOR": "1"}, check=False)
+    if check:
+        assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+def test_fab_finds_the_tasks_from_the_repository_root():
+    out = fab("--list").stdout
+    for name in ("targets", "plan", "deploy"):
+        assert name in out
+
+
+def test_targets_json_lists_every_required_target():
+    rows = json.loads(fab("targets", "--format", "json").stdout)
+    names = {r["name"] for r in rows}
+    assert names >= REQUIRED_TARGETS
+    assert all(r["summary"] for r in rows)
+    # 004's rules for the matrix: NVFP4 only on Blackwell, BF16 where it fits
+    assert not {n for n in names if n.endswith("-nvfp4") and ("h200" in n or "mi3" in n)}
+    assert "sglang-mi300x-low-latency-bf16" not in names
+
+
+@pytest.mark.parametrize("target", ["h200-pd-1node", "gb200-disagg", "sglang-h200-pd"])
+def test_plan_json_has_the_documented_shape(target):
+    plan = json.loads(fab("plan", "--target", target, "--format", "json").stdout)
+    assert {"target", "engine", "model", "processes", "hosts", "warnings"} <= set(plan)
+    assert set(plan["model"]) == {"repo", "revision", "served_name"}
+    for p in plan["processes"]:
+        assert {"name", "role", "host", "argv", "env", "unit", "ports", "gpus"} <= set(p)
+        assert p["argv"][0].startswith("/")
+        assert p["unit"].endswith(".service")
+        assert p["host"] in plan["hosts"]
+
+
+def test_plan_text_shows_commands_and_env():
+    out = fab("plan", "--target", "h200-pd-1node").stdout
+    assert "VLLM_NIXL_SIDE_CHANNEL_PORT=5557" in out
+    assert "vllm-router --policy round_robin --vllm-pd-disaggregation" in out
+
+
+def test_bad_input_exits_2_with_the_fix():
+    proc = fab("plan", "--target", "h200-pd-1nod", check=False)
+    assert proc.returncode == 2
+    assert "did you mean h200-pd-1node" in proc.stderr
+    assert "nothing was changed" in proc.stderr
+
+
+def test_set_overrides_are_refused_when_they_break_a_rule():
+    proc = fab("plan", "--target", "h200-pd-1node", "--set",
+               "decode:VLLM_KV_CACHE_LAYOUT=NHD", check=False)
+    assert proc.returncode == 2 and "VLLM_KV_CACHE_LAYOUT" in proc.stderr
+    proc = fab("plan", "--target", "h200-pd-1node", "--set", "decode-max-num-seqs", check=False)
+    assert proc.returncode == 2 and "ROLE:KEY=VALUE" in proc.stderr
+
+
+@pytest.mark.parametrize("name,target,hosts", [
+    ("h200", "h200-disagg", {"h200-node1", "h200-node2"}),
+    ("gb200", "gb200-disagg", {"gb200-tray1", "gb200-tray2"}),
+    ("b200", "b200-pd-1node", {"b200-node1"}),
+    ("mi355x", "sglang-mi355x-low-latency", {"mi355x-node1"}),
+    ("sample", "h200-pd-1node", {"gpu-node1"}),
+])
+def test_sample_inventories_plan_their_target(name, target, hosts):
+    plan = json.loads(fab("plan", "-i", f"inventories/{name}", "--format", "json").stdout)
+    assert plan["target"] == target
+    assert set(plan["hosts"]) == hosts
+
+
+def test_gb200_inventory_gets_an_imex_domain_of_both_trays():
+    plan = json.loads(fab("plan", "-i", "inventories/gb200", "--format", "json").stdout)
+    for host in plan["hosts"].values():
+        assert host["imex"] == {"domain": ["192.0.2.21", "192.0.2.22"]}
+
+
+def test_ansible_playbook_refuses_a_mismatched_inventory_before_any_host():
+    env = {**os.environ, "ANSIBLE_CONFIG": str(ROOT / "ansible.cfg")}
+    proc = subprocess.run(
+        [str(Path(sys.executable).with_name("ansible-playbook")), "-i", "inventories/h200",
+         "site.yml", "-e", "gpufleet_target=h200-pd-1node"],
+        cwd=ROOT, capture_output=True, text=True, env=env, check=False)
+    assert proc.returncode != 0
+    assert "needs exactly 1 host(s) in group 'workers'" in proc.stdout
+    assert "h200-node1" not in proc.stdout.split("PLAY RECAP")[-1]

@@ -1,0 +1,136 @@
+"""Every validation rule refuses its case with the field and a fix, and is the rule
+that catches it: with that rule removed from RULES the same input plans silently."""
+
+from __future__ import annotations
+
+import pytest
+
+from gpufleet import catalog as cat
+from gpufleet import inventory, rules
+from gpufleet.plan import PlanError, make_plan
+
+# rule -> (target, overrides, text the message must contain)
+CASES = {
+    "speculative_matches": (
+        "h200-pd-1node",
+        {"args": {"decode": {"--speculative-config": {"method": "mtp",
+                                                      "num_speculative_tokens": 3}}}},
+        "speculative"),
+    "layouts_match": (
+        "h200-pd-1node", {"env": {"decode": {"VLLM_KV_CACHE_LAYOUT": "NHD"}}},
+        "VLLM_KV_CACHE_LAYOUT"),
+    "fp8_kv_on_hopper": (
+        "h200-pd-1node", {"args": {"engines": {"--kv-cache-dtype": "fp8"}}}, "Hopper"),
+    "weights_fit": (
+        "sglang-h200-low-latency", {"args": {"engines": {"--mem-fraction-static": 0.5}}},
+        "GiB of weights"),
+    "parallel_matches_gpus": (
+        "gb200-tray", {"args": {"worker": {"--tensor-parallel-size": 2}}}, "TP 2"),
+    "gpus_disjoint": (
+        "h200-pd-1node", {"gpus": {"decode": [3, 4, 5, 6]}}, "already used by prefill"),
+    "ports_unique": (
+        "h200-pd-1node", {"ports": {"router": {"http": 8001}}}, "port 8001"),
+    "no_speculative_on_amd": (
+        "sglang-mi355x-low-latency",
+        {"args": {"engines": {"--speculative-algorithm": "EAGLE"}}}, "gfx950"),
+    "dflash2_constraints": (
+        "sglang-h200-balanced", {"options": ["dflash2"]}, "DP attention"),
+    "no_zigzag": (
+        "sglang-h200-low-latency",
+        {"options": ["cp"], "args": {"engines": {"--cp-strategy": "zigzag"}}}, "zigzag"),
+    "layer_split_needs_pd_mooncake": (
+        "sglang-h200-low-latency", {"options": ["layer-split"]}, "Mooncake"),
+    "fp8_kv_option_on_hopper_only": (
+        "sglang-b200-low-latency", {"options": ["fp8-kv"]}, "already runs FP8 KV"),
+    "flags_accepted": (
+        "gb200-tray", {"args": {"worker": {"--no-such-flag": 1}}}, "unknown flag --no-such-flag"),
+}
+
+
+@pytest.fixture
+def nvfp4_on_hopper(monkeypatch):
+    """No catalog target breaks the NVFP4 rule, so make one that does."""
+    c = cat.load()
+    bad = c.targets["sglang-b200-low-latency-nvfp4"].model_copy(
+        update={"name": "nvfp4-on-h200", "hardware": "h200"})
+    monkeypatch.setitem(c.targets, "nvfp4-on-h200", bad)
+    return "nvfp4-on-h200"
+
+
+def _case(name, request):
+    if name == "nvfp4_needs_blackwell":
+        return request.getfixturevalue("nvfp4_on_hopper"), {}, "Blackwell"
+    return CASES[name]
+
+
+ALL = [*CASES, "nvfp4_needs_blackwell"]
+
+
+def test_every_rule_has_a_case():
+    assert {r.__name__ for r in rules.RULES} == set(ALL)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_rule_refuses_with_field_and_fix(name, request):
+    target, overrides, text = _case(name, request)
+    with pytest.raises(PlanError) as err:
+        make_plan(target, None, overrides)
+    messages = [str(p) for p in err.value.problems]
+    assert any(text in m for m in messages), messages
+    assert all("Fix: " in m for m in messages)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_without_the_rule_the_case_gets_through(name, request, monkeypatch):
+    target, overrides, text = _case(name, request)
+    monkeypatch.setattr(rules, "RULES", [r for r in rules.RULES if r.__name__ != name])
+    try:
+        make_plan(target, None, overrides)
+    except PlanError as err:  # other rules may still object, but not with this message
+        assert not any(text in str(p) for p in err.value.problems)
+
+
+def test_unknown_target_suggests_the_nearest_names():
+    with pytest.raises(PlanError, match="did you mean h200-pd-1node"):
+        make_plan("h200-pd-1nod")
+
+
+def test_inventory_with_the_wrong_groups_is_refused():
+    inv = inventory.placeholder({"workers": 2})
+    with pytest.raises(PlanError) as err:
+        make_plan("h200-disagg", inv)
+    text = str(err.value)
+    assert "needs exactly 1 host(s) in group 'prefill'" in text
+    assert "Fix: put 1 host(s) in [prefill]" in text
+
+
+def test_inventory_with_too_many_hosts_is_refused():
+    with pytest.raises(PlanError, match="the inventory has 2"):
+        make_plan("h200-pd-1node", inventory.placeholder({"workers": 2}))
+
+
+def test_host_declared_as_other_hardware_is_refused():
+    inv = inventory.placeholder({"workers": 1})
+    inv.hosts["workers-1"] = inventory.Host("workers-1", "10.0.0.1",
+                                            {"gpufleet_hardware": "mi355x"})
+    with pytest.raises(PlanError, match="declared 'mi355x'.*Fix: pick a mi355x target"):
+        make_plan("h200-pd-1node", inv)
+
+
+def test_unknown_option_and_option_for_another_engine():
+    with pytest.raises(PlanError, match="unknown option 'hicash'"):
+        make_plan("sglang-h200-low-latency", None, {"options": ["hicash"]})
+    with pytest.raises(PlanError, match="applies to sglang targets"):
+        make_plan("h200-pd-1node", None, {"options": ["hicache"]})
+
+
+def test_wrong_override_types_name_the_field():
+    with pytest.raises(PlanError, match=r"overrides\.ports\.router\.http"):
+        make_plan("h200-pd-1node", None, {"ports": {"router": {"http": "eighty"}}})
+    with pytest.raises(PlanError, match=r"overrides\.colour"):
+        make_plan("h200-pd-1node", None, {"colour": "blue"})
+
+
+def test_disaggregated_targets_warn_about_n():
+    assert any("n > 1" in w for w in make_plan("h200-disagg").warnings)
+    assert not any("n > 1" in w for w in make_plan("h200-agg").warnings)

@@ -21,6 +21,8 @@ from gpufleet.plan import PlanError
 
 ROOT = Path(__file__).resolve().parent
 DEFAULT_INVENTORY = "inventories/lab"
+# The deploy's plays in order (site.yml imports the ones that exist).
+PLAYS = ["preflight.yml", "prepare.yml", "cache.yml", "serve.yml", "smoke.yml", "health.yml"]
 
 
 def _plan(target, inventory, with_="", set_=None, unset=None):
@@ -68,7 +70,7 @@ def _playbook(c, playbook, plan_obj, inventory, extra=None):
     env = {**os.environ, "ANSIBLE_CONFIG": str(ROOT / "ansible.cfg")}
     extra_vars = {"gpufleet_plan_json": plan_obj.to_json(), **(extra or {})}
     cmd = [str(Path(sys.executable).with_name("ansible-playbook")), "-i", inventory,
-           str(ROOT / "playbooks" / playbook), "-e", json.dumps(extra_vars)]
+           str(ROOT / playbook), "-e", json.dumps(extra_vars)]
     result = subprocess.run(cmd, env=env, cwd=ROOT, check=False)
     if result.returncode != 0:
         raise Exit(f"gpufleet: {playbook} failed (exit {result.returncode}); "
@@ -87,10 +89,18 @@ def _playbook(c, playbook, plan_obj, inventory, extra=None):
 )
 def deploy(c, target=None, inventory=DEFAULT_INVENTORY, with_="", set_=None, unset=None):
     """Deploy a target: validate the plan, then run site.yml against the inventory."""
+    if inventory == DEFAULT_INVENTORY and not (ROOT / inventory / "hosts.yml").exists():
+        raise Exit("gpufleet: the lab inventory does not exist yet. Fix: bring the lab up "
+                   "first (fab lab.up) or pass -i with your inventory", code=2)
     p = _plan(target, inventory, with_, set_, unset)
     print(f"gpufleet: deploying {p.target.name} to {inventory} "
           f"({len(p.processes)} processes on {len(p.hosts)} host(s))")
     _playbook(c, "site.yml", p, inventory)
+    missing = [name for name in PLAYS if not (ROOT / "playbooks" / name).exists()]
+    if missing:
+        raise Exit(f"gpufleet: preflight passed for {p.target.name}; the steps "
+                   f"{', '.join(missing)} are not part of this release yet, so nothing "
+                   "was installed or started", code=1)
 
 
 ns = Collection(targets, plan, deploy)

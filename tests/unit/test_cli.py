@@ -105,3 +105,10 @@ def test_ansible_playbook_refuses_a_mismatched_inventory_before_any_host():
     assert proc.returncode != 0
     assert "needs exactly 1 host(s) in group 'workers'" in proc.stdout
     assert "h200-node1" not in proc.stdout.split("PLAY RECAP")[-1]
+
+
+def test_deploy_runs_preflight_and_says_what_it_did_not_do():
+    proc = fab("deploy", "--target", "gb200-disagg", "-i", "inventories/gb200", check=False)
+    assert proc.returncode == 1
+    assert "preflight passed for gb200-disagg" in proc.stderr
+    assert "nothing was installed or started" in proc.stderr

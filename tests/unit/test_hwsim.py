@@ -1,0 +1,390 @@
+"""The lab hardware simulator: render each profile, run its tools, parse them with the
+same parser the roles use, so the simulator and the parser cannot drift apart."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+from gpufleet.lab import hwsim
+from gpufleet.module_utils import gpu_facts as gf
+
+REAL_XML = Path(__file__).resolve().parents[1] / "fixtures/hardware/h200-1gpu/nvidia-smi-q.xml"
+
+
+class Host:
+    """A rendered lab host in a temporary directory."""
+
+    def __init__(self, root: Path, profile: str, faults: list[str]):
+        self.root = root
+        self.files = hwsim.render(profile, faults, "lab1")
+        for path, (content, mode) in self.files.items():
+            dest = root / path.lstrip("/")
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            dest.write_bytes(content)
+            dest.chmod(mode)
+        self.env = dict(os.environ, GPUFLEET_LAB_ROOT=str(root))
+        self.procs: list[subprocess.Popen] = []
+
+    def tool(self, name: str) -> Path:
+        found = [p for p in self.files if p.endswith("/" + name)]
+        assert found, f"{name} not rendered"
+        return self.root / found[0].lstrip("/")
+
+    def run(self, name: str, *args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, str(self.tool(name)), *args],
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+
+    def out(self, name: str, *args: str) -> str:
+        proc = self.run(name, *args)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        return proc.stdout
+
+    def start(self, name: str, *args: str, pidfile: str) -> subprocess.Popen:
+        proc = subprocess.Popen(
+            [sys.executable, str(self.tool(name)), *args],
+            env=self.env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        self.procs.append(proc)
+        pid = self.root / "run/gpufleet-lab" / pidfile
+        deadline = time.monotonic() + 10
+        while not pid.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return proc
+
+    def read(self, path: str) -> str:
+        return (self.root / path.lstrip("/")).read_text()
+
+    def gpu_facts(self) -> dict:
+        if "/usr/bin/nvidia-smi" not in self.files:
+            rocm_version = self.read("/opt/rocm/.info/version")
+            return gf.gpu_facts(
+                amd_static=self.out("amd-smi", "static", "--json"), rocm_version=rocm_version
+            )
+        fm = (
+            self.run("nv-fabricmanager", "--version").stdout
+            if self.has("nv-fabricmanager")
+            else None
+        )
+        return gf.gpu_facts(
+            xml=self.out("nvidia-smi", "-q", "-x"),
+            query=self.out(
+                "nvidia-smi", "--query-gpu=index,uuid,name,compute_cap,memory.total", "--format=csv"
+            ),
+            topo=self.out("nvidia-smi", "topo", "-m"),
+            nvlink=self.out("nvidia-smi", "nvlink", "-s"),
+            proc_version=self.read("/etc/gpufleet-lab/proc/driver/nvidia/version"),
+            fm_version=fm,
+        )
+
+    def ib_facts(self) -> dict:
+        devinfo = self.run("ibv_devinfo")
+        return gf.ib_facts(devinfo.stdout, self.out("ibstat"), self.out("lsmod"))
+
+    def has(self, name: str) -> bool:
+        return any(p.endswith("/" + name) for p in self.files)
+
+
+@pytest.fixture
+def host(tmp_path):
+    made: list[Host] = []
+
+    def make(profile: str, *faults: str) -> Host:
+        h = Host(tmp_path / f"host{len(made)}", profile, list(faults))
+        made.append(h)
+        return h
+
+    yield make
+    for h in made:
+        for proc in h.procs:
+            proc.terminate()
+            proc.wait(timeout=10)
+
+
+EXPECTED = {
+    "h200x8": ("NVIDIA H200", 8, "hopper", "9.0", 143771),
+    "b200x8": ("NVIDIA B200", 8, "blackwell", "10.0", 183359),
+    "gb200x4": ("NVIDIA GB200", 4, "blackwell", "10.0", 189471),
+    "mi355x8": ("AMD Instinct MI355X", 8, "cdna4", "gfx950", 294896),
+}
+
+
+def test_every_profile_is_expected():
+    assert set(hwsim.PROFILES) == set(EXPECTED)
+
+
+@pytest.mark.parametrize("profile", sorted(EXPECTED))
+def test_profile_parses_to_its_hardware(host, profile):
+    name, count, arch, target, memory = EXPECTED[profile]
+    h = host(profile)
+    facts = h.gpu_facts()
+    assert (facts["model"], facts["count"], facts["arch"], facts["memory_mib"]) == (
+        name,
+        count,
+        arch,
+        memory,
+    )
+    assert target in (facts["compute_capability"], facts["gfx_target"])
+    assert len({g["uuid"] if "uuid" in g else g["bus_id"] for g in facts["gpus"]}) == count
+    ib = h.ib_facts()
+    assert ib["count"] == (4 if profile == "gb200x4" else 8)
+    assert ib["all_active"] is True
+    assert ib["link_layers"] == ["InfiniBand"]
+    assert ib["peermem_loaded"] is False
+    devices = h.read("/etc/gpufleet-lab/devices")
+    assert "/dev/infiniband/uverbs0 231 192" in devices
+    if facts["vendor"] == "nvidia":
+        assert facts["driver_version"] == "580.159.04"
+        assert facts["cuda_version"] == "13.0"
+        assert facts["kernel_module"]["version"] == "580.159.04"
+        assert facts["topology"]["gpu_link"] == "NV18"
+        assert facts["nvlink"]["active_links_per_gpu"] == [18] * count
+        assert f"/dev/nvidia{count - 1} 195 {count - 1}" in devices
+        assert "/dev/nvidiactl 195 255" in devices
+    else:
+        assert facts["rocm_version"] == "7.0.2"
+        assert "/dev/kfd" in devices and "/dev/dri/renderD135 226 135" in devices
+
+
+def test_h200x8_xml_is_the_real_capture_repeated(host):
+    """Every simulated <gpu> has exactly the elements of the real H200's <gpu>."""
+
+    def paths(gpu):
+        out = set()
+
+        def walk(node, prefix):
+            for child in node:
+                here = f"{prefix}/{child.tag}"
+                out.add(here)
+                walk(child, here)
+
+        walk(gpu, "")
+        return out
+
+    real = paths(ET.parse(REAL_XML).getroot().find("gpu"))
+    root = ET.fromstring(host("h200x8").out("nvidia-smi", "-q", "-x"))
+    gpus = root.findall("gpu")
+    assert len(gpus) == 8
+    assert all(paths(g) == real for g in gpus)
+    assert [g.findtext("minor_number") for g in gpus] == [str(i) for i in range(8)]
+    assert len({g.get("id") for g in gpus}) == 8
+    assert root.findtext("attached_gpus") == "8"
+
+
+def test_h200x8_topology_nv18_between_all_gpu_pairs_and_nic_legend(host):
+    topo = gf.parse_topo(host("h200x8").out("nvidia-smi", "topo", "-m"))
+    gpus = [f"GPU{i}" for i in range(8)]
+    assert topo["gpus"] == gpus
+    assert all(topo["matrix"][a][b] == "NV18" for a in gpus for b in gpus if a != b)
+    assert topo["nics"] == [f"mlx5_{i}" for i in range(8)]
+    assert topo["matrix"]["GPU3"]["mlx5_3"] == "PIX"
+    assert topo["matrix"]["GPU0"]["mlx5_7"] == "SYS"
+
+
+def test_unknown_profile_names_the_valid_ones():
+    with pytest.raises(ValueError, match="h200x8.*b200x8.*gb200x4.*mi355x8"):
+        hwsim.render("h100x8", [], "lab1")
+
+
+def test_faults_are_validated_and_other_labs_faults_ignored():
+    for name in (
+        "fm-mismatch",
+        "driver-old",
+        "gpu-missing",
+        "no-ib",
+        "ib-down",
+        "peermem-missing",
+        "imex-down",
+        "disk-small",
+        "flashinfer-old",
+        "flashinfer-split",
+    ):
+        assert name in hwsim.FAULTS
+    with pytest.raises(ValueError, match="fm-mismach"):
+        hwsim.render("h200x8", ["fm-mismach"], "lab1")
+    plain = hwsim.render("h200x8", [], "lab1")
+    other = hwsim.render("h200x8", ["disk-small", "flashinfer-old"], "lab1")
+    assert set(plain) == set(other)
+    assert [p for p in plain if plain[p] != other[p]] == ["/etc/gpufleet-lab/hw.json"]
+
+
+def test_rendered_tools_are_executable_python_scripts():
+    files = hwsim.render("gb200x4", [], "lab1")
+    for path in (
+        "/usr/bin/nvidia-smi",
+        "/usr/bin/nvidia-imex-ctl",
+        "/usr/sbin/ibstat",
+        "/usr/local/sbin/modprobe",
+    ):
+        content, mode = files[path]
+        assert content.startswith(b"#!/usr/bin/python3\n")
+        assert mode == 0o755
+
+
+def test_fabric_manager_brings_the_fabric_to_completed(host):
+    h = host("b200x8")
+    assert h.gpu_facts()["fabric"]["state"] == "In Progress"
+    h.start(
+        "nv-fabricmanager",
+        "-c",
+        "/usr/share/nvidia/nvswitch/fabricmanager.cfg",
+        pidfile="nv-fabricmanager.pid",
+    )
+    facts = h.gpu_facts()
+    assert facts["fabric"]["state"] == "Completed"
+    assert facts["fabric"]["completed"] is True
+    assert facts["fabric_manager_matches_driver"] is True
+    assert h.out("nvlsm", "--version").startswith("nvlsm version")
+
+
+def test_fault_fm_mismatch(host):
+    h = host("h200x8", "fm-mismatch")
+    facts = h.gpu_facts()
+    assert facts["fabric_manager_version"] == "580.126.09"
+    assert facts["driver_version"] == "580.159.04"
+    assert facts["fabric_manager_matches_driver"] is False
+    proc = h.run("nv-fabricmanager", "-c", "/usr/share/nvidia/nvswitch/fabricmanager.cfg")
+    assert proc.returncode == 1
+    assert "don't match with driver version 580.159.04" in proc.stderr
+    assert h.gpu_facts()["fabric"]["state"] == "In Progress"
+
+
+def test_fault_driver_old(host):
+    facts = host("h200x8", "driver-old").gpu_facts()
+    assert facts["driver_version"].startswith("535.")
+    assert facts["kernel_module"]["version"] == facts["driver_version"]
+    assert facts["cuda_version"] == "12.2"
+    assert facts["fabric_manager_version"] == facts["driver_version"]
+
+
+def test_fault_gpu_missing(host):
+    facts = host("h200x8", "gpu-missing").gpu_facts()
+    assert facts["count"] == 7
+    assert len(facts["topology"]["gpus"]) == 7
+
+
+def test_fault_no_ib(host):
+    h = host("h200x8", "no-ib")
+    proc = h.run("ibv_devinfo")
+    assert proc.returncode != 0 and "No IB devices found" in proc.stderr
+    ib = h.ib_facts()
+    assert ib["present"] is False
+    assert h.gpu_facts()["topology"]["nics"] == []
+    assert "/dev/infiniband" not in h.read("/etc/gpufleet-lab/devices")
+
+
+def test_fault_ib_down(host):
+    ib = host("h200x8", "ib-down").ib_facts()
+    assert ib["present"] is True
+    assert ib["active"] == []
+    assert {p["state"] for h in ib["hcas"] for p in h["ports"]} == {"Down"}
+
+
+def test_modprobe_peermem_loads_and_fault_fails_with_the_real_error(host):
+    good = host("h200x8")
+    assert good.run("modprobe", "nvidia_peermem").returncode == 0
+    assert good.ib_facts()["peermem_loaded"] is True
+    assert "nvidia_peermem" in good.read("/etc/gpufleet-lab/modules")
+    bad = host("h200x8", "peermem-missing")
+    proc = bad.run("modprobe", "nvidia-peermem")
+    assert proc.returncode == 1
+    assert "disagrees about version of symbol ib_register_peer_memory_client" in proc.stderr
+    assert "could not insert 'nvidia_peermem'" in proc.stderr
+    assert bad.ib_facts()["peermem_loaded"] is False
+
+
+def test_nvidia_smi_fails_like_the_real_one_without_the_driver(host):
+    h = host("h200x8")
+    assert h.run("modprobe", "-r", "nvidia").returncode == 0
+    proc = h.run("nvidia-smi")
+    assert proc.returncode == 9
+    assert "couldn't communicate with the NVIDIA driver" in proc.stdout
+
+
+def test_query_gpu_rejects_unknown_fields_and_honours_nounits(host):
+    h = host("h200x8")
+    assert h.run("nvidia-smi", "--query-gpu=bogus", "--format=csv").returncode == 2
+    out = h.out("nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits")
+    assert out.splitlines() == ["143771"] * 8
+
+
+def test_persistence_mode_is_set_by_pm_1(host):
+    h = host("h200x8")
+    assert h.gpu_facts()["persistence_mode"] is False
+    assert "All done." in h.out("nvidia-smi", "-pm", "1")
+    assert h.gpu_facts()["persistence_mode"] is True
+
+
+def _imex_nodes(h: Host, *nodes: str, port: int) -> None:
+    cfg = h.root / "etc/nvidia-imex/config.cfg"
+    cfg.write_text(re.sub(r"SERVER_PORT=\d+", f"SERVER_PORT={port}", cfg.read_text()))
+    (h.root / "etc/nvidia-imex/nodes_config.cfg").write_text("".join(n + "\n" for n in nodes))
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_gb200_imex_domain_up_and_mnnvl_facts(host):
+    h = host("gb200x4")
+    hw = h.read("/etc/gpufleet-lab/hw.json")
+    assert '"cpu_arch": "aarch64"' in hw
+    assert "for aarch64" in h.read("/etc/gpufleet-lab/proc-driver-nvidia-version")
+    assert "/dev/nvidia-caps-imex-channels/channel0" in h.read("/etc/gpufleet-lab/devices")
+    facts = h.gpu_facts()
+    assert facts["fabric"]["state"] == "Completed"
+    assert facts["fabric"]["cluster_uuid"] == "5d2c0a8e-6f4b-4c1e-9a37-2b8d1e0f7c41"
+    assert facts["fabric"]["clique_id"] == "32766"
+    assert h.run("nvidia-imex", "-c", "/etc/nvidia-imex/config.cfg").returncode == 1  # no nodes
+    _imex_nodes(h, "127.0.0.1", "127.0.0.2", port=_free_port())
+    assert h.run("nvidia-imex-ctl", "-N").returncode == 1  # service not running yet
+    h.start("nvidia-imex", "-c", "/etc/nvidia-imex/config.cfg", pidfile="nvidia-imex.pid")
+    imex = gf.parse_imex_status(h.out("nvidia-imex-ctl", "-N"))
+    assert imex["domain_state"] == "UP"
+    assert imex["all_connected"] is True
+    assert [n["version"] for n in imex["nodes"]] == ["580.159.04"] * 2
+
+
+def test_gb200_imex_peer_not_running_is_down(host):
+    h = host("gb200x4")
+    _imex_nodes(h, "127.0.0.1", "192.0.2.1", port=_free_port())  # TEST-NET: nobody there
+    h.start("nvidia-imex", "-c", "/etc/nvidia-imex/config.cfg", pidfile="nvidia-imex.pid")
+    imex = gf.parse_imex_status(h.out("nvidia-imex-ctl", "-N"))
+    assert imex["domain_state"] == "DOWN"
+    assert [n["state"] for n in imex["nodes"]] == ["READY", "UNAVAILABLE"]
+
+
+def test_fault_imex_down(host):
+    h = host("gb200x4", "imex-down")
+    _imex_nodes(h, "127.0.0.1", "127.0.0.2", port=_free_port())
+    h.start("nvidia-imex", "-c", "/etc/nvidia-imex/config.cfg", pidfile="nvidia-imex.pid")
+    imex = gf.parse_imex_status(h.out("nvidia-imex-ctl", "-N"))
+    assert imex["domain_state"] == "DOWN"
+    assert imex["all_connected"] is False
+
+
+def test_mi355x8_rocm_smi_agrees_with_amd_smi(host):
+    h = host("mi355x8")
+    out = h.out("rocm-smi", "--showproductname", "--showmeminfo", "vram", "--json")
+    facts = gf.gpu_facts(rocm_smi=out)
+    assert (facts["count"], facts["gfx_target"], facts["memory_mib"]) == (8, "gfx950", 294896)
+    assert not h.has("nvidia-smi")

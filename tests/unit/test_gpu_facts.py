@@ -324,7 +324,7 @@ def test_ansible_module_against_simulated_h200(tmp_path):
             "-m",
             "gpu_facts",
             "-M",
-            str(REPO / "library"),
+            str(REPO / "gpufleet/ansible_plugins/modules"),
             "--check",
             "-a",
             f"proc_driver_version={tmp_path}/etc/gpufleet-lab/proc/driver/nvidia/version",

@@ -1,0 +1,112 @@
+"""Host facts against the plan's host requirements: what does not fit, and the fix.
+
+Stdlib only and Python 3.8 compatible: it runs inside the preflight Ansible module
+on the host as well as in tests. `check_host` takes one host's requirements (the
+`hosts` entry of the plan) and its facts (`gpu_facts.gpu_facts`/`ib_facts` output,
+CPU architecture, free space on the cache filesystem) and returns every problem at
+once, so one report covers the whole fleet before anything changes. What host
+preparation itself fixes (fabric manager version, IMEX, nvidia_peermem) is checked
+by `check_prepared`, after the roles ran.
+"""
+
+from __future__ import annotations
+
+import re
+
+# A GPU may report a little less memory than the catalog's figure (ECC, firmware).
+MEMORY_TOLERANCE = 0.97
+
+
+def version_tuple(text):
+    return tuple(int(x) for x in re.findall(r"\d+", str(text or ""))[:4])
+
+
+def check_host(req, gpu, ib=None, cpu_arch=None, cache_free_gib=None):
+    """Problems (strings naming value and fix) for one host; [] when it fits."""
+    problems = []
+    if cpu_arch and req.get("cpu_arch") and cpu_arch != req["cpu_arch"]:
+        problems.append(
+            "CPU is {} but the target needs {} hosts. Fix: use the target for this hardware".format(cpu_arch, req["cpu_arch"]))
+    want = req.get("gpu")
+    if want:
+        problems += _check_gpu(want, gpu or {}, req)
+    if req.get("rdma"):
+        problems += _check_rdma(ib or {}, req)
+    cache = req.get("cache") or {}
+    need = cache.get("min_free_gib")
+    if need is not None and cache_free_gib is not None and cache_free_gib < need:
+        problems.append(
+            "cache filesystem {} has {:.1f} GiB free, the checkpoint needs {:.1f} GiB. Fix: free "
+            "space or point gpufleet_cache_dir at a larger shared filesystem".format(cache.get("path"), cache_free_gib, need))
+    return problems
+
+
+def _check_gpu(want, gpu, req):
+    if not gpu.get("present") or not gpu.get("count"):
+        return ["no {} GPU found (nvidia-smi/amd-smi reported none). Fix: install the driver "
+                "(prepare) or check that the GPUs are seated".format(want["product"])]
+    problems = []
+    model = str(gpu.get("model") or "")
+    if want["product"].lower() not in model.lower():
+        problems.append("GPUs are {}, the target needs {}. Fix: pick the target for {} or "
+                        "other hosts".format(model, want["product"], model))
+    needed = max(want.get("used") or [0]) + 1
+    if gpu["count"] < needed:
+        problems.append(
+            "%d GPU(s) visible, the plan uses GPU indices up to %d (%d GPUs). Fix: check "
+            "`nvidia-smi -L` for a missing GPU (reseat, XID errors) or use a smaller target"
+            % (gpu["count"], needed - 1, needed))
+    memory = gpu.get("memory_mib") or 0
+    if memory < want["memory_mib"] * MEMORY_TOLERANCE:
+        problems.append("GPU memory %d MiB, the target expects %d MiB per GPU. Fix: use hosts "
+                        "with %s GPUs" % (memory, want["memory_mib"], want["product"]))
+    if want.get("vendor") == "nvidia":
+        driver, floor = gpu.get("driver_version"), req.get("driver_floor")
+        if floor and version_tuple(driver) < version_tuple(floor):
+            problems.append("NVIDIA driver {} is older than {}. Fix: install the R{} branch "
+                            "(nvidia_driver role, nvidia_driver_branch) and reboot".format(driver, floor, floor.split(".")[0]))
+    elif req.get("rocm_floor"):
+        have = gpu.get("rocm_version")
+        if version_tuple(have) < version_tuple(req["rocm_floor"]):
+            problems.append("ROCm {} is older than {}. Fix: install ROCm {} or newer (prepare "
+                            "with the rocm role)".format(have, req["rocm_floor"], req["rocm_floor"]))
+    return problems
+
+
+def check_prepared(req, gpu, ib=None):
+    """After preparation: what the roles set up must be in place."""
+    problems = []
+    driver = gpu.get("driver_version")
+    fm = gpu.get("fabric_manager_version")
+    if req.get("fabric_manager") and fm and driver and fm != driver:
+        branch = driver.split(".")[0]
+        problems.append(
+            f"nvidia-fabricmanager {fm} does not match driver {driver} (CUDA fails with error 802 "
+            f"while nvidia-smi looks fine). Fix: apt-get install nvidia-fabricmanager-{branch}={driver}-1 "
+            f"&& apt-mark hold nvidia-fabricmanager-{branch}")
+    state = gpu.get("imex") or {}
+    if req.get("imex") and state.get("all_connected") is False:
+        problems.append("IMEX peers are not all connected ({}). Fix: start nvidia-imex on "
+                        "every node of the NVLink domain with the same nodes_config.cfg".format(state.get("domain_state")))
+    if req.get("peermem") and not (ib or {}).get("peermem_loaded"):
+        problems.append("nvidia_peermem is not loaded (GPUDirect RDMA). Fix: modprobe "
+                        "nvidia_peermem; if it fails with 'disagrees about version of symbol "
+                        "ib_register_peer_memory_client', rebuild it against the installed OFED")
+    return problems
+
+
+def _check_rdma(ib, req):
+    if not ib.get("present"):
+        return ["no InfiniBand/RoCE HCA found, the target moves KV cache or tensors between "
+                "nodes over RDMA. Fix: install the HCA driver (rdma role) or use a single-node "
+                "target"]
+    problems = []
+    if not ib.get("all_active"):
+        down = [
+            "{}/{}".format(h.get("name"), p.get("port"))
+            for h in ib.get("hcas", []) for p in h.get("ports", [])
+            if p.get("state") != "Active"
+        ]
+        problems.append("HCA port(s) not Active: {}. Fix: check cabling and the subnet "
+                        "manager (ibstat)".format(", ".join(down or ["?"])))
+    return problems

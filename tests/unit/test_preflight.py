@@ -1,0 +1,92 @@
+"""Host facts against the plan's host requirements (gpufleet/module_utils/preflight.py).
+
+Facts come from the lab's simulated tools parsed by the real parser (the same
+path the roles take), and from the capture of a real H200."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from test_hwsim import host  # noqa: F401  (the simulated-host fixture)
+
+from gpufleet.module_utils import gpu_facts as gf
+from gpufleet.module_utils.preflight import check_host, check_prepared
+from gpufleet.plan import make_plan
+
+DEVICE = Path(__file__).parents[1] / "fixtures" / "hardware" / "h200-device"
+
+
+def req(target: str, role: str = "prefill") -> dict:
+    plan = make_plan(target)
+    (proc,) = plan.by_role(role)
+    return plan.hosts[proc.host]
+
+
+def problems_for(host, target, profile, *faults, role="prefill", free=10_000.0):  # noqa: F811
+    h = host(profile, *faults)
+    return check_host(req(target, role), h.gpu_facts(), h.ib_facts(), "x86_64", free)
+
+
+@pytest.mark.parametrize("target,profile,role", [
+    ("h200-pd-1node", "h200x8", "prefill"),
+    ("h200-disagg", "h200x8", "decode"),
+    ("sglang-mi355x-low-latency", "mi355x8", "worker"),
+])
+def test_matching_host_passes(host, target, profile, role):  # noqa: F811
+    assert problems_for(host, target, profile, role=role) == []
+
+
+@pytest.mark.parametrize("fault,text", [
+    ("gpu-missing", "7 GPU(s) visible"),
+    ("driver-old", "older than 580.65.06"),
+])
+def test_gpu_faults_are_named_with_the_fix(host, fault, text):  # noqa: F811
+    found = problems_for(host, "h200-pd-1node", "h200x8", fault)
+    assert any(text in p and "Fix:" in p for p in found), found
+
+
+def test_after_preparation_fm_mismatch_and_peermem_are_named(host):  # noqa: F811
+    h = host("h200x8", "fm-mismatch")
+    found = check_prepared(req("h200-disagg", "decode"), h.gpu_facts(), h.ib_facts())
+    assert any("does not match driver 580.159.04" in p and
+               "apt-mark hold nvidia-fabricmanager-580" in p for p in found), found
+    assert any("nvidia_peermem is not loaded" in p for p in found)
+    ok = host("h200x8")
+    assert check_prepared(req("h200-pd-1node"), ok.gpu_facts(), ok.ib_facts()) == []
+
+
+@pytest.mark.parametrize("fault,text", [
+    ("no-ib", "no InfiniBand/RoCE HCA"),
+    ("ib-down", "not Active"),
+])
+def test_rdma_faults_fail_only_where_the_target_needs_rdma(host, fault, text):  # noqa: F811
+    assert any(text in p for p in problems_for(host, "h200-disagg", "h200x8", fault,
+                                               role="decode"))
+    assert problems_for(host, "h200-pd-1node", "h200x8", fault) == []
+
+
+def test_wrong_hardware_and_small_cache(host):  # noqa: F811
+    found = problems_for(host, "h200-pd-1node", "mi355x8", free=100.0)
+    assert any("GPUs are AMD Instinct MI355X" in p for p in found)
+    assert any("100.0 GiB free" in p and "336.6 GiB" in p for p in found)
+
+
+def test_cpu_architecture_mismatch():
+    facts = {"present": True, "count": 4, "model": "NVIDIA GB200", "memory_mib": 189471,
+             "driver_version": "580.159.04"}
+    found = check_host(req("gb200-tray", "worker"), facts, {}, "x86_64", None)
+    assert any("needs aarch64 hosts" in p for p in found)
+
+
+def test_real_h200_capture_against_an_8_gpu_target():
+    """The real single-GPU H200 host fits nothing that needs 8 GPUs, and says why."""
+    xml = (DEVICE / "nvidia-smi-q.xml").read_text()
+    facts = gf.gpu_facts(xml=xml)
+    found = check_host(req("h200-agg", "worker"), facts, {}, "x86_64", None)
+    assert found == [
+        "1 GPU(s) visible, the plan uses GPU indices up to 7 (8 GPUs). Fix: check "
+        "`nvidia-smi -L` for a missing GPU (reseat, XID errors) or use a smaller target"
+    ]
+    assert json.loads(json.dumps(facts))["driver_version"] == "580.159.04"

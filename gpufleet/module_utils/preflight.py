@@ -25,8 +25,8 @@ def check_host(req, gpu, ib=None, cpu_arch=None, cache_free_gib=None):
     """Problems (strings naming value and fix) for one host; [] when it fits."""
     problems = []
     if cpu_arch and req.get("cpu_arch") and cpu_arch != req["cpu_arch"]:
-        problems.append(
-            "CPU is {} but the target needs {} hosts. Fix: use the target for this hardware".format(cpu_arch, req["cpu_arch"]))
+        problems.append(f"CPU is {cpu_arch} but the target needs {req['cpu_arch']} hosts. "
+                        "Fix: use the target for this hardware")
     want = req.get("gpu")
     if want:
         problems += _check_gpu(want, gpu or {}, req)
@@ -36,8 +36,9 @@ def check_host(req, gpu, ib=None, cpu_arch=None, cache_free_gib=None):
     need = cache.get("min_free_gib")
     if need is not None and cache_free_gib is not None and cache_free_gib < need:
         problems.append(
-            "cache filesystem {} has {:.1f} GiB free, the checkpoint needs {:.1f} GiB. Fix: free "
-            "space or point gpufleet_cache_dir at a larger shared filesystem".format(cache.get("path"), cache_free_gib, need))
+            f"cache filesystem {cache.get('path')} has {cache_free_gib:.1f} GiB free, the "
+            f"checkpoint needs {need:.1f} GiB. Fix: free space or point gpufleet_cache_dir at "
+            "a larger shared filesystem")
     return problems
 
 
@@ -53,23 +54,24 @@ def _check_gpu(want, gpu, req):
     needed = max(want.get("used") or [0]) + 1
     if gpu["count"] < needed:
         problems.append(
-            "%d GPU(s) visible, the plan uses GPU indices up to %d (%d GPUs). Fix: check "
-            "`nvidia-smi -L` for a missing GPU (reseat, XID errors) or use a smaller target"
-            % (gpu["count"], needed - 1, needed))
+            f"{gpu['count']} GPU(s) visible, the plan uses GPU indices up to {needed - 1} "
+            f"({needed} GPUs). Fix: check `nvidia-smi -L` for a missing GPU (reseat, XID "
+            "errors) or use a smaller target")
     memory = gpu.get("memory_mib") or 0
     if memory < want["memory_mib"] * MEMORY_TOLERANCE:
-        problems.append("GPU memory %d MiB, the target expects %d MiB per GPU. Fix: use hosts "
-                        "with %s GPUs" % (memory, want["memory_mib"], want["product"]))
+        problems.append(f"GPU memory {memory} MiB, the target expects {want['memory_mib']} MiB "
+                        f"per GPU. Fix: use hosts with {want['product']} GPUs")
     if want.get("vendor") == "nvidia":
         driver, floor = gpu.get("driver_version"), req.get("driver_floor")
         if floor and version_tuple(driver) < version_tuple(floor):
-            problems.append("NVIDIA driver {} is older than {}. Fix: install the R{} branch "
-                            "(nvidia_driver role, nvidia_driver_branch) and reboot".format(driver, floor, floor.split(".")[0]))
+            problems.append(f"NVIDIA driver {driver} is older than {floor}. Fix: install the "
+                            f"R{floor.split('.')[0]} branch (nvidia_driver role, "
+                            "nvidia_driver_branch) and reboot")
     elif req.get("rocm_floor"):
         have = gpu.get("rocm_version")
         if version_tuple(have) < version_tuple(req["rocm_floor"]):
-            problems.append("ROCm {} is older than {}. Fix: install ROCm {} or newer (prepare "
-                            "with the rocm role)".format(have, req["rocm_floor"], req["rocm_floor"]))
+            problems.append(f"ROCm {have} is older than {req['rocm_floor']}. Fix: install ROCm "
+                            f"{req['rocm_floor']} or newer (the rocm role)")
     return problems
 
 
@@ -81,13 +83,15 @@ def check_prepared(req, gpu, ib=None):
     if req.get("fabric_manager") and fm and driver and fm != driver:
         branch = driver.split(".")[0]
         problems.append(
-            f"nvidia-fabricmanager {fm} does not match driver {driver} (CUDA fails with error 802 "
-            f"while nvidia-smi looks fine). Fix: apt-get install nvidia-fabricmanager-{branch}={driver}-1 "
-            f"&& apt-mark hold nvidia-fabricmanager-{branch}")
+            f"nvidia-fabricmanager {fm} does not match driver {driver} (CUDA fails with error "
+            "802 while nvidia-smi looks fine). Fix: apt-get install "
+            f"nvidia-fabricmanager-{branch}={driver}-1 && apt-mark hold "
+            f"nvidia-fabricmanager-{branch}")
     state = gpu.get("imex") or {}
     if req.get("imex") and state.get("all_connected") is False:
-        problems.append("IMEX peers are not all connected ({}). Fix: start nvidia-imex on "
-                        "every node of the NVLink domain with the same nodes_config.cfg".format(state.get("domain_state")))
+        problems.append(f"IMEX peers are not all connected ({state.get('domain_state')}). Fix: "
+                        "start nvidia-imex on every node of the NVLink domain with the same "
+                        "nodes_config.cfg")
     if req.get("peermem") and not (ib or {}).get("peermem_loaded"):
         problems.append("nvidia_peermem is not loaded (GPUDirect RDMA). Fix: modprobe "
                         "nvidia_peermem; if it fails with 'disagrees about version of symbol "

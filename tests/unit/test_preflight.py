@@ -90,3 +90,16 @@ def test_real_h200_capture_against_an_8_gpu_target():
         "`nvidia-smi -L` for a missing GPU (reseat, XID errors) or use a smaller target"
     ]
     assert json.loads(json.dumps(facts))["driver_version"] == "580.159.04"
+
+
+def test_recorded_run_on_the_real_h200_matches_what_the_code_says_now():
+    """scripts/device_preflight.py ran on a real 1-GPU H200 (report committed); the
+    same facts through today's check give the same verdicts."""
+    report = json.loads((DEVICE / "preflight-report.json").read_text())
+    assert report["facts"]["count"] == 1 and report["facts"]["model"] == "NVIDIA H200"
+    for name, result in report["results"].items():
+        target, role = name.split("/")
+        now = check_host(req(target, role), report["facts"], report["ib"],
+                         report["cpu_arch"], report["free_gib"])
+        assert now == result["preflight"], name
+    assert any("needs aarch64" in p for p in report["results"]["gb200-tray/worker"]["preflight"])

@@ -1,0 +1,3 @@
+"""gpufleet lab stand-in for vLLM: real command line and HTTP API, simulated engine."""
+
+__version__ = "@VERSION@"

@@ -1,0 +1,4 @@
+from .lab import main
+
+if __name__ == "__main__":
+    main()

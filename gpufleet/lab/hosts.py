@@ -149,7 +149,7 @@ def root_dir() -> Path:
 
 
 def ensure_root() -> Path:
-    """Build the cached debootstrap root once per package list (about 3-5 minutes)."""
+    """Build the cached debootstrap root once per package list (about a minute)."""
     root = root_dir()
     if (root / "etc" / "os-release").exists():
         return root
@@ -191,21 +191,8 @@ def ensure_ssh_key() -> str:
     SSH_DIR.mkdir(parents=True, exist_ok=True)
     SSH_DIR.chmod(0o700)
     if not SSH_KEY.exists():
-        subprocess.run(
-            [
-                "ssh-keygen",
-                "-q",
-                "-t",
-                "ed25519",
-                "-N",
-                "",
-                "-C",
-                "gpufleet-lab",
-                "-f",
-                str(SSH_KEY),
-            ],
-            check=True,
-        )
+        keygen = ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "gpufleet-lab"]
+        subprocess.run([*keygen, "-f", str(SSH_KEY)], check=True)
     SSH_KEY.chmod(0o600)
     return SSH_KEY.with_suffix(".pub").read_text()
 

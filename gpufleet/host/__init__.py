@@ -1,0 +1,1 @@
+"""Programs that run on the deployment hosts (stdlib + what their venv holds)."""

@@ -1,0 +1,760 @@
+#!/usr/bin/env python3
+"""Put one Hugging Face checkpoint on the shared cache, verified, for offline serving.
+
+Runs on ONE host that mounts the shared cache (NFS/Lustre/GPFS), in a small venv that
+holds huggingface_hub. Standard HF cache layout under CACHE_DIR/hub, so engines started
+with HF_HUB_OFFLINE=1 and HF_HUB_CACHE=CACHE_DIR/hub find the files.
+
+    cache_fetch.py --repo zai-org/GLM-5.3-Flash --revision main --cache-dir /srv/hf --json
+
+The token comes from the environment (HF_TOKEN) or --token-file, never from argv.
+
+How it works:
+- a lock file created with O_CREAT|O_EXCL in CACHE_DIR/hub/.gpufleet-locks/ (works on
+  NFS/Lustre/GPFS, unlike flock); the holder rewrites a heartbeat into it; a waiter breaks
+  it when the heartbeat has not changed for --lock-stale seconds of its own clock (no
+  clock sync needed), or at once when the holder is a dead pid on the same host;
+- the revision is resolved to a commit; only the files an engine reads are selected;
+  what is missing is summed and compared with the free space before any byte moves;
+- each file is downloaded with hf_hub_download into a private staging cache on the same
+  filesystem, hashed (SHA-256 for LFS files, git blob sha1 otherwise), and only then
+  renamed into blobs/ and linked from snapshots/<commit>/: the engine's path never shows
+  a partial or wrong file;
+- a manifest (.gpufleet-manifest-<commit>.json next to blobs/) records every verified
+  file with size and mtime, so a re-run with --verify fast only stats files.
+
+Exit codes: 0 ok, 1 download or verification failed, 2 usage, 3 token refused or missing
+for a gated repo, 4 repo or revision not found, 5 endpoint unreachable, 6 not enough
+disk space, 7 lock wait timed out.
+
+GPUFLEET_CACHE_FAKE_FREE_BYTES (tests only): pretend the cache filesystem has this many
+bytes free, to exercise the disk-space refusal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import contextlib
+import datetime
+import fnmatch
+import hashlib
+import io
+import json
+import os
+import re
+import shutil
+import socket
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_AUTH, EXIT_NOT_FOUND, EXIT_ENDPOINT = 0, 1, 2, 3, 4, 5
+EXIT_DISK, EXIT_LOCK = 6, 7
+GIB = 1024**3
+HASH_CHUNK = 8 * 1024 * 1024
+FAKE_FREE_ENV = "GPUFLEET_CACHE_FAKE_FREE_BYTES"
+TOKEN_FIX = "set HF_TOKEN on the controller or gpufleet_hf_token in ansible-vault"
+ENDPOINT_FIX = "check HF_ENDPOINT / gpufleet_hf_endpoint"
+DEFAULT_ENDPOINT = "https://huggingface.co"
+
+# What an engine reads from a checkpoint repo (top-level files only: original/, metal/ and
+# other folders hold alternative formats the engines do not load).
+DEFAULT_ALLOW = [
+    "config.json",
+    "generation_config.json",
+    "*.safetensors",
+    "*.safetensors.index.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "*.tiktoken",
+    "chat_template.jinja",
+    "chat_template.json",
+    "preprocessor_config.json",
+    "processor_config.json",
+    "video_preprocessor_config.json",
+    "hf_quant_config.json",
+    "quantization_config.json",
+    "*.py",
+]
+
+
+class FetchError(Exception):
+    def __init__(self, code: int, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+# --------------------------------------------------------------------------- output
+
+
+class Redactor(io.TextIOBase):
+    """A text stream that replaces secrets before they reach the real stream."""
+
+    def __init__(self, stream, secrets: list[str]):
+        self.stream = stream
+        self.secrets = [s for s in secrets if s]
+
+    def write(self, text: str) -> int:
+        for secret in self.secrets:
+            text = text.replace(secret, "***")
+        self.stream.write(text)
+        return len(text)
+
+    def flush(self):
+        self.stream.flush()
+
+
+LOG_FILE: list = []  # an open --log-file, for `tail -f` on the host while Ansible waits
+
+
+def log(msg: str):
+    print(f"cache_fetch: {msg}", file=sys.stderr, flush=True)
+    for f in LOG_FILE:
+        f.write(f"{now_iso()} {msg}\n")
+        f.flush()
+
+
+def human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def now_iso() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+# --------------------------------------------------------------------------- lock
+
+
+class SharedLock:
+    """An exclusive lock for a shared filesystem: O_CREAT|O_EXCL on a file with a heartbeat.
+
+    ``stale`` seconds without a heartbeat change (timed on the waiter's own monotonic clock)
+    make the lock breakable; a lock of a dead pid on this host is broken at once.
+    """
+
+    def __init__(self, path: Path, stale: float = 120.0, timeout: float = 3600.0,
+                 poll: float = 1.0):
+        self.path = path
+        self.stale = stale
+        self.timeout = timeout
+        self.poll = poll
+        self.nonce = uuid.uuid4().hex
+        self.host = socket.gethostname()
+        self.lost = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.waited = 0.0
+
+    def _body(self) -> bytes:
+        return json.dumps({"host": self.host, "pid": os.getpid(), "nonce": self.nonce,
+                           "heartbeat": time.time()}).encode()
+
+    def _try_create(self) -> bool:
+        try:
+            fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            return False
+        with os.fdopen(fd, "wb") as f:
+            f.write(self._body())
+            f.flush()
+            os.fsync(f.fileno())
+        return True
+
+    def _read(self) -> bytes | None:
+        try:
+            return self.path.read_bytes()
+        except FileNotFoundError:
+            return None
+
+    def _dead_local_holder(self, raw: bytes) -> bool:
+        try:
+            info = json.loads(raw)
+        except ValueError:
+            return False
+        if info.get("host") != self.host or not isinstance(info.get("pid"), int):
+            return False
+        try:
+            os.kill(info["pid"], 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False
+        return False
+
+    def _break(self, seen: bytes) -> None:
+        """Remove a stale lock, unless it changed; a second lock serialises the breakers."""
+        guard = self.path.with_name(self.path.name + ".break")
+        try:
+            fd = os.open(guard, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            with contextlib.suppress(OSError):  # a breaker that died: its guard is old
+                if time.time() - guard.stat().st_mtime > self.stale:
+                    guard.unlink()
+            return
+        try:
+            os.close(fd)
+            if self._read() == seen:
+                holder = json.loads(seen or b"{}")
+                log(f"breaking stale lock of {holder.get('host')} pid {holder.get('pid')}")
+                self.path.unlink()
+        finally:
+            guard.unlink(missing_ok=True)
+
+    def acquire(self) -> bool:
+        """Take the lock; returns True when it had to wait for another holder."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        start = time.monotonic()
+        last, since, announced = None, start, False
+        while not self._try_create():
+            raw = self._read()
+            now = time.monotonic()
+            if raw != last:
+                last, since = raw, now
+            if raw is not None:
+                if not announced:
+                    holder = json.loads(raw) if raw.startswith(b"{") else {}
+                    log(f"waiting for the lock held by {holder.get('host')} pid "
+                        f"{holder.get('pid')} ({self.path})")
+                    announced = True
+                if self._dead_local_holder(raw) or now - since > self.stale:
+                    self._break(raw)
+                    continue
+            if now - start > self.timeout:
+                raise FetchError(EXIT_LOCK, f"waited {self.timeout:.0f} s for {self.path}; "
+                                 "another fetch is still running (its heartbeat is fresh). "
+                                 "Wait for it, or raise --lock-timeout")
+            time.sleep(self.poll)
+        self.waited = time.monotonic() - start
+        self._thread = threading.Thread(target=self._beat, daemon=True, name="heartbeat")
+        self._thread.start()
+        return announced
+
+    def _beat(self):
+        interval = max(0.2, self.stale / 6)
+        while not self._stop.wait(interval):
+            raw = self._read()
+            if raw is None or self.nonce.encode() not in raw:
+                self.lost.set()
+                return
+            with contextlib.suppress(OSError), open(self.path, "r+b") as f:
+                body = self._body()
+                f.write(body)
+                f.truncate(len(body))
+
+    def release(self):
+        self._stop.set()
+        if self._thread:
+            self._thread.join()
+        raw = self._read()
+        if raw is not None and self.nonce.encode() in raw:
+            self.path.unlink(missing_ok=True)
+
+
+# --------------------------------------------------------------------------- files
+
+
+def hash_file(path: Path, lfs: bool, size: int) -> str:
+    """SHA-256 of the content (LFS) or the git blob sha1 (regular files)."""
+    h = hashlib.sha256() if lfs else hashlib.sha1(b"blob %d\0" % size)
+    with open(path, "rb") as f:
+        while chunk := f.read(HASH_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def sha256_file(path: Path) -> str:
+    return hash_file(path, True, 0)
+
+
+def atomic_write(path: Path, data: bytes):
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def atomic_symlink(target: str, link: Path):
+    tmp = link.with_name(f".{link.name}.{uuid.uuid4().hex[:8]}.lnk")
+    os.symlink(target, tmp)
+    os.replace(tmp, link)
+
+
+def select(files: list[dict], allow: list[str] | None) -> list[dict]:
+    if allow:
+        return [f for f in files if any(fnmatch.fnmatch(f["path"], p) for p in allow)]
+    return [f for f in files if "/" not in f["path"]
+            and any(fnmatch.fnmatch(f["path"], p) for p in DEFAULT_ALLOW)]
+
+
+# --------------------------------------------------------------------------- hub errors
+
+
+def classify(exc: BaseException, args, token: str | None) -> FetchError:
+    """Turn a huggingface_hub / transport exception into an exit code and a fix."""
+    from huggingface_hub import errors
+
+    repo, rev, endpoint = args.repo, args.revision, args.endpoint
+    status = getattr(getattr(exc, "response", None), "status_code", None)
+    if isinstance(exc, errors.GatedRepoError):
+        if not token:
+            return FetchError(EXIT_AUTH, f"{repo} is gated and no token was given: {TOKEN_FIX}")
+        return FetchError(EXIT_AUTH, f"the token has no access to the gated repo {repo} "
+                          f"(HTTP {status}): request access for the token's account on the Hub, "
+                          f"or {TOKEN_FIX} to a token that has it")
+    if status == 401 and token:
+        return FetchError(EXIT_AUTH, f"{endpoint} refused the token (HTTP 401, invalid "
+                          f"credentials): {TOKEN_FIX} to a valid token")
+    if isinstance(exc, errors.RevisionNotFoundError):
+        return FetchError(EXIT_NOT_FOUND, f"revision {rev!r} not found in {repo} on {endpoint}: "
+                          "fix gpufleet_model_revision (a branch, tag or commit id of the repo)")
+    if isinstance(exc, errors.RepositoryNotFoundError):
+        hint = "" if token else f" (if it is private: {TOKEN_FIX})"
+        return FetchError(EXIT_NOT_FOUND, f"repo {repo} not found on {endpoint}{hint}: "
+                          f"check the model repo id, or {ENDPOINT_FIX}")
+    if isinstance(exc, errors.RemoteEntryNotFoundError):
+        return FetchError(EXIT_NOT_FOUND, f"a file of {repo}@{rev} vanished on {endpoint}: "
+                          f"{type(exc).__name__}")
+    if _transport_error(exc):
+        return FetchError(EXIT_ENDPOINT, f"cannot reach {endpoint} ({type(exc).__name__}: "
+                          f"{_first_line(exc)}): {ENDPOINT_FIX}")
+    if isinstance(exc, errors.HfHubHTTPError):
+        return FetchError(EXIT_FAILED, f"{endpoint} answered HTTP {status}: {_first_line(exc)}")
+    return FetchError(EXIT_FAILED, f"{type(exc).__name__}: {_first_line(exc)}")
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [""])[0][:300]
+
+
+def _transport_error(exc: BaseException) -> bool:
+    seen = 0
+    while exc is not None and seen < 5:
+        mod = type(exc).__module__ or ""
+        name = type(exc).__name__
+        if mod.startswith(("httpx", "httpcore")) and "Error" in name and "Status" not in name:
+            return True
+        if isinstance(exc, (ConnectionError, socket.gaierror, TimeoutError)):
+            return True
+        exc = exc.__cause__ or exc.__context__
+        seen += 1
+    return False
+
+
+def retryable(exc: BaseException) -> bool:
+    from huggingface_hub import errors
+
+    if isinstance(exc, (errors.RepositoryNotFoundError, errors.RevisionNotFoundError,
+                        errors.RemoteEntryNotFoundError, FetchError)):
+        return False
+    status = getattr(getattr(exc, "response", None), "status_code", None)
+    return status not in (401, 403, 404)
+
+
+# --------------------------------------------------------------------------- the fetch
+
+
+class Fetch:
+    def __init__(self, args, token: str | None):
+        self.args = args
+        self.token = token
+        self.hub = Path(args.cache_dir) / "hub"
+        self.repo_dir = self.hub / ("models--" + args.repo.replace("/", "--"))
+        self.mlock = threading.Lock()
+        self.bytes_downloaded = 0
+        self.replaced: list[str] = []
+        self.downloaded: list[str] = []
+        self.done = 0
+        self.total = 0
+        self.t0 = time.monotonic()
+
+    # ---- hub
+    def resolve(self):
+        from huggingface_hub import HfApi
+
+        api = HfApi(endpoint=self.args.endpoint, token=self.token or False)
+        try:
+            info = api.model_info(self.args.repo, revision=self.args.revision,
+                                  files_metadata=True, timeout=self.args.timeout)
+        except Exception as exc:  # noqa: BLE001 - every failure gets an exit code and a fix
+            raise classify(exc, self.args, self.token) from None
+        files = []
+        for s in info.siblings or []:
+            lfs = s.lfs.sha256 if s.lfs else None
+            files.append({"path": s.rfilename, "size": s.size, "lfs": lfs, "blob_id": s.blob_id})
+        return info.sha, files
+
+    def probe_access(self, sha: str, path: str):
+        """One HEAD before any byte moves: a gated repo or a bad token fails here."""
+        from huggingface_hub import get_hf_file_metadata, hf_hub_url
+
+        url = hf_hub_url(self.args.repo, path, revision=sha, endpoint=self.args.endpoint)
+        try:
+            get_hf_file_metadata(url, token=self.token or False, timeout=self.args.timeout)
+        except Exception as exc:  # noqa: BLE001
+            raise classify(exc, self.args, self.token) from None
+
+    # ---- paths
+    def etag(self, f: dict) -> str:
+        return f["lfs"] or f["blob_id"]
+
+    def blob(self, f: dict) -> Path:
+        return self.repo_dir / "blobs" / self.etag(f)
+
+    def snap(self, sha: str, f: dict) -> Path:
+        return self.repo_dir / "snapshots" / sha / f["path"]
+
+    def manifest_path(self, sha: str) -> Path:
+        return self.repo_dir / f".gpufleet-manifest-{sha}.json"
+
+    # ---- manifest
+    def load_manifest(self, sha: str) -> dict:
+        try:
+            data = json.loads(self.manifest_path(sha).read_text())
+            return {e["file"]: e for e in data.get("files", [])}
+        except (OSError, ValueError, KeyError, TypeError):
+            return {}
+
+    def save_manifest(self, sha: str, entries: dict, complete: bool):
+        data = {"repo": self.args.repo, "revision": self.args.revision, "commit": sha,
+                "endpoint": self.args.endpoint, "complete": complete, "written_at": now_iso(),
+                "files": [entries[k] for k in sorted(entries)]}
+        self.repo_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write(self.manifest_path(sha), (json.dumps(data, indent=1) + "\n").encode())
+
+    def record(self, entries: dict, f: dict, blob: Path, digest: str):
+        st = blob.stat()
+        entries[f["path"]] = {"file": f["path"], "size": st.st_size, "sha256": digest,
+                              "etag": self.etag(f), "mtime": st.st_mtime_ns,
+                              "verified_at": now_iso()}
+
+    # ---- verification of what is on disk
+    def check(self, sha: str, f: dict, entries: dict, full: bool) -> bool:
+        """True when the file is in place and verified; else removes what is wrong."""
+        blob, snap = self.blob(f), self.snap(sha, f)
+        if not blob.is_file():
+            if (snap.is_symlink() or snap.exists()) and not self.args.dry_run:
+                snap.unlink()
+            entries.pop(f["path"], None)
+            return False
+        st = blob.stat()
+        entry = entries.get(f["path"])
+        trusted = (not full and entry is not None and entry.get("size") == f["size"]
+                   and entry.get("mtime") == st.st_mtime_ns and entry.get("etag") == self.etag(f)
+                   and st.st_size == f["size"])
+        if not trusted:
+            ok = st.st_size == f["size"] and hash_file(blob, bool(f["lfs"]), f["size"]) == (
+                f["lfs"] or f["blob_id"])
+            if not ok and self.args.dry_run:
+                log(f"{f['path']}: on-disk copy does not match the Hub's hash; would replace it")
+                self.replaced.append(f["path"])
+                return False
+            if not ok:
+                log(f"{f['path']}: on-disk copy does not match the Hub's hash; removing it")
+                if snap.is_symlink() or snap.exists():
+                    snap.unlink()
+                blob.unlink()
+                entries.pop(f["path"], None)
+                with self.mlock:
+                    self.replaced.append(f["path"])
+                return False
+            digest = f["lfs"] or sha256_file(blob)
+            self.record(entries, f, blob, digest)
+        if not self.args.dry_run:
+            if st.st_mode & 0o444 != 0o444:  # serving units may run as another user
+                os.chmod(blob, 0o644)
+            self.link(sha, f)
+        return True
+
+    def link(self, sha: str, f: dict):
+        blob, snap = self.blob(f), self.snap(sha, f)
+        target = os.path.relpath(blob, snap.parent)
+        if snap.is_symlink() and os.readlink(snap) == target:
+            return
+        snap.parent.mkdir(parents=True, exist_ok=True)
+        atomic_symlink(target, snap)
+
+    # ---- download
+    def download(self, sha: str, f: dict, staging: Path, entries: dict, lock: SharedLock):
+        from huggingface_hub import hf_hub_download
+
+        last: BaseException | None = None
+        for attempt in range(1, self.args.retries + 1):
+            if lock.lost.is_set():
+                raise FetchError(EXIT_FAILED, "lost the cache lock (another host broke it); "
+                                 "re-run to finish")
+            start = time.monotonic()
+            try:
+                staged = hf_hub_download(self.args.repo, f["path"], revision=sha,
+                                         cache_dir=staging, endpoint=self.args.endpoint,
+                                         token=self.token or False)
+                staged = Path(os.path.realpath(staged))
+                digest = hash_file(staged, bool(f["lfs"]), f["size"])
+                if staged.stat().st_size != f["size"] or digest != self.etag(f):
+                    staged.unlink()
+                    raise FetchError(EXIT_FAILED, f"{f['path']}: downloaded bytes do not match "
+                                     "the Hub's hash")
+            except Exception as exc:  # noqa: BLE001 - retried or classified below
+                last = exc
+                if isinstance(exc, FetchError) or retryable(exc):
+                    if attempt < self.args.retries:
+                        delay = min(60.0, self.args.backoff * 2 ** (attempt - 1))
+                        log(f"{f['path']}: attempt {attempt}/{self.args.retries} failed "
+                            f"({type(exc).__name__}: {_first_line(exc)}); retrying in "
+                            f"{delay:.1f} s")
+                        time.sleep(delay)
+                        continue
+                    break
+                raise classify(exc, self.args, self.token) from None
+            blob = self.blob(f)
+            blob.parent.mkdir(parents=True, exist_ok=True)
+            os.chmod(staged, 0o644)  # serving units may run as another user
+            os.replace(staged, blob)  # same filesystem: atomic, verified bytes only
+            with self.mlock:
+                self.record(entries, f, blob, f["lfs"] or sha256_file(blob))
+                self.link(sha, f)
+                self.bytes_downloaded += f["size"]
+                self.downloaded.append(f["path"])
+                self.done += 1
+                self.save_manifest(sha, entries, complete=False)
+                secs = max(time.monotonic() - start, 1e-6)
+                log(f"fetched {f['path']} {human(f['size'])} in {secs:.1f} s "
+                    f"({human(f['size'] / secs)}/s) [{self.done}/{self.total} files]")
+            return
+        if isinstance(last, FetchError):
+            raise last
+        why = f"{type(last).__name__}: {_first_line(last)}" if last else "?"
+        raise FetchError(EXIT_FAILED, f"{f['path']}: failed {self.args.retries} times (last: "
+                         f"{why}); re-run to continue, verified files are kept")
+
+    def progress(self, staging: Path, stop: threading.Event, need: int):
+        while not stop.wait(self.args.progress_interval):
+            partial = sum(p.stat().st_size for p in staging.rglob("*.incomplete")
+                          if p.is_file())
+            with self.mlock:
+                got = self.bytes_downloaded + partial
+                done = self.done
+            secs = max(time.monotonic() - self.t0, 1e-6)
+            log(f"progress: {done}/{self.total} files, {human(got)} of {human(need)}, "
+                f"{human(got / secs)}/s")
+
+    # ---- main
+    def run(self) -> dict:
+        args = self.args
+        full = args.verify == "full"
+        sha, listing = self.resolve()
+        files = select(listing, args.allow)
+        if not files:
+            raise FetchError(EXIT_NOT_FOUND, f"no file of {args.repo}@{sha} matches "
+                             f"{args.allow or 'the default engine file set'}")
+        log(f"{args.repo}@{args.revision} is commit {sha}: {len(files)} files, "
+            f"{human(sum(f['size'] for f in files))}")
+        if args.dry_run:  # read-only: no lock, no manifest, nothing removed
+            return self._locked(sha, files, full, None)
+        self.hub.mkdir(parents=True, exist_ok=True)
+        lock = SharedLock(self.hub / ".gpufleet-locks" / (self.repo_dir.name + ".lock"),
+                          stale=args.lock_stale, timeout=args.lock_timeout)
+        waited = lock.acquire()
+        try:
+            result = self._locked(sha, files, full, lock)
+        finally:
+            lock.release()
+        result.update(waited_for_lock_s=round(lock.waited, 1), lock_was_held=waited)
+        return result
+
+    def _locked(self, sha: str, files: list[dict], full: bool, lock: SharedLock | None) -> dict:
+        args = self.args
+        entries = self.load_manifest(sha)
+        entries = {k: v for k, v in entries.items() if k in {f["path"] for f in files}}
+        missing = [f for f in files if not self.check(sha, f, entries, full)]
+        if not args.dry_run:
+            self.save_manifest(sha, entries, complete=not missing)
+            # we hold the repo's lock: staging left here was a killed run's partial files
+            shutil.rmtree(self.repo_dir / ".gpufleet-staging", ignore_errors=True)
+        need = sum(f["size"] for f in missing)
+        existing = self.hub
+        while not existing.exists():  # a dry run before the cache dir exists
+            existing = existing.parent
+        free = shutil.disk_usage(existing).free
+        if os.environ.get(FAKE_FREE_ENV):
+            free = int(os.environ[FAKE_FREE_ENV])
+        reserve = int(args.min_free_gib * GIB)
+        summary = {"repo": args.repo, "revision": args.revision, "commit": sha,
+                   "cache_dir": args.cache_dir, "hub": str(self.hub),
+                   "snapshot": str(self.repo_dir / "snapshots" / sha),
+                   "manifest": str(self.manifest_path(sha)), "files": len(files),
+                   "total_bytes": sum(f["size"] for f in files), "to_download": len(missing),
+                   "need_bytes": need, "free_bytes": free}
+        if need and free - need < reserve:
+            raise FetchError(EXIT_DISK, f"needs {need / GIB:.2f} GiB (+{args.min_free_gib:g} GiB "
+                             f"reserve), {free / GIB:.2f} GiB free on {args.cache_dir}: free "
+                             "space or point gpufleet_cache_dir at a bigger filesystem")
+        if args.dry_run or not missing:
+            if missing:
+                log(f"would download {len(missing)} files, {human(need)}: "
+                    + ", ".join(f["path"] for f in missing))
+            return self._summary(summary, complete=not missing)
+        self.probe_access(sha, missing[0]["path"])
+        log(f"downloading {len(missing)} files, {human(need)} ({human(free)} free) "
+            f"with {args.workers} workers")
+        self.total = len(missing)
+        staging = self.repo_dir / ".gpufleet-staging" / uuid.uuid4().hex[:12]
+        staging.mkdir(parents=True)
+        stop = threading.Event()
+        ticker = threading.Thread(target=self.progress, args=(staging, stop, need), daemon=True)
+        ticker.start()
+        try:
+            with concurrent.futures.ThreadPoolExecutor(args.workers) as pool:
+                futures = [pool.submit(self.download, sha, f, staging, entries, lock)
+                           for f in sorted(missing, key=lambda f: -f["size"])]
+                errors = []
+                for fut in concurrent.futures.as_completed(futures):
+                    if not fut.cancelled() and fut.exception() is not None:
+                        errors.append(fut.exception())
+                        for other in futures:  # stop queued files; running ones finish
+                            other.cancel()
+            if errors:
+                raise errors[0]
+        finally:
+            stop.set()
+            shutil.rmtree(staging, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                staging.parent.rmdir()
+        self.save_manifest(sha, entries, complete=True)
+        self.write_ref(sha)
+        return self._summary(summary, complete=True)
+
+    def write_ref(self, sha: str):
+        if self.args.revision != sha:
+            ref = self.repo_dir / "refs" / self.args.revision
+            ref.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write(ref, sha.encode())
+
+    def _summary(self, summary: dict, complete: bool) -> dict:
+        if complete and not self.args.dry_run:
+            self.write_ref(summary["commit"])
+        secs = max(time.monotonic() - self.t0, 1e-6)
+        summary.update(complete=complete, dry_run=self.args.dry_run,
+                       downloaded=sorted(self.downloaded), replaced=sorted(self.replaced),
+                       bytes_downloaded=self.bytes_downloaded,
+                       changed=bool(self.downloaded or self.replaced), seconds=round(secs, 2),
+                       rate_mib_s=round(self.bytes_downloaded / secs / 2**20, 1))
+        return summary
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--repo", required=True, help="model repo id, e.g. zai-org/GLM-5.3-Flash")
+    p.add_argument("--revision", default="main", help="branch, tag or commit id")
+    p.add_argument("--cache-dir", required=True, help="shared cache root (files go to DIR/hub)")
+    p.add_argument("--endpoint", default=None,
+                   help=f"Hub or mirror URL (default: $HF_ENDPOINT or {DEFAULT_ENDPOINT})")
+    p.add_argument("--allow", action="append", default=None, metavar="PATTERN",
+                   help="download files matching PATTERN (repeatable; replaces the default set)")
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--verify", choices=("fast", "full"), default="fast",
+                   help="fast trusts manifest entries whose size and mtime match; full rehashes")
+    p.add_argument("--min-free-gib", type=float, default=0.0,
+                   help="GiB that must stay free on the cache filesystem after the download")
+    p.add_argument("--lock-timeout", type=float, default=6 * 3600,
+                   help="seconds to wait for another fetch's lock")
+    p.add_argument("--lock-stale", type=float, default=120.0,
+                   help="a lock whose heartbeat has not changed for this long is broken")
+    p.add_argument("--retries", type=int, default=5, help="attempts per file")
+    p.add_argument("--backoff", type=float, default=2.0,
+                   help="first retry delay in seconds (doubles, capped at 60)")
+    p.add_argument("--timeout", type=float, default=30.0, help="metadata request timeout")
+    p.add_argument("--progress-interval", type=float, default=10.0)
+    p.add_argument("--token-file", default=None,
+                   help="file holding the token (else $HF_TOKEN); never pass a token in argv")
+    p.add_argument("--log-file", default=None, help="also append progress lines here")
+    p.add_argument("--dry-run", action="store_true",
+                   help="report what would be downloaded; download nothing")
+    p.add_argument("--json", action="store_true", help="print a JSON summary on stdout")
+    args = p.parse_args(argv)
+    args.endpoint = (args.endpoint or os.environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT)
+    args.endpoint = args.endpoint.rstrip("/")
+    if args.workers < 1 or args.retries < 1:
+        p.error("--workers and --retries must be at least 1")
+    if not re.fullmatch(r"[\w.-]+/[\w.-]+", args.repo):
+        p.error(f"--repo {args.repo!r} is not an org/name repo id")
+    return args
+
+
+def read_token(args) -> str | None:
+    if args.token_file:
+        try:
+            return Path(args.token_file).read_text().strip() or None
+        except OSError as exc:
+            raise FetchError(EXIT_AUTH, f"cannot read --token-file {args.token_file}: "
+                             f"{exc.strerror}: {TOKEN_FIX}") from None
+    return os.environ.get("HF_TOKEN", "").strip() or None
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        token = read_token(args)
+    except FetchError as err:
+        log(f"error: {err}")
+        return err.code
+    sys.stdout = Redactor(sys.stdout, [token or ""])
+    sys.stderr = Redactor(sys.stderr, [token or ""])
+    os.umask(0o022)  # the cache is read by every serving host and unit user
+    if args.log_file:
+        Path(args.log_file).parent.mkdir(parents=True, exist_ok=True)
+        LOG_FILE.append(Redactor(open(args.log_file, "a"), [token or ""]))  # noqa: SIM115
+    # the fetch talks to the endpoint whatever the serving environment says
+    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_TOKEN"):
+        os.environ.pop(name, None)
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+    os.environ["HF_HUB_DISABLE_IMPLICIT_TOKEN"] = "1"
+    fetch = Fetch(args, token)
+    try:
+        summary = fetch.run()
+        code = EXIT_OK
+    except FetchError as err:
+        log(f"error: {err}")
+        summary = {"repo": args.repo, "revision": args.revision, "error": str(err),
+                   "exit_code": err.code, "bytes_downloaded": fetch.bytes_downloaded,
+                   "changed": bool(fetch.downloaded or fetch.replaced)}
+        code = err.code
+    except KeyboardInterrupt:
+        log("interrupted; verified files are kept, re-run to continue")
+        return 130
+    except Exception as exc:  # noqa: BLE001 - never a traceback that could carry headers
+        err = classify(exc, args, token)
+        log(f"error: {err}")
+        summary = {"repo": args.repo, "error": str(err), "exit_code": err.code}
+        code = err.code
+    if code == EXIT_OK and not summary["complete"]:
+        log(f"dry run: {summary['to_download']} files to download, nothing changed")
+    elif code == EXIT_OK:
+        log(f"done: {summary['files']} files verified in {summary['snapshot']}, "
+            f"{human(summary['bytes_downloaded'])} downloaded")
+    if args.json:
+        print(json.dumps(summary, indent=1))
+    sys.stdout.flush()
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,363 @@
+"""gpufleet/host/cache_fetch.py run as a subprocess (real huggingface_hub) against the lab
+mirror on loopback: one transfer, cheap re-runs, cuts mid-file, two concurrent fetchers, a
+tampered blob, the disk-space refusal, gated repos and an unreachable endpoint."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from gpufleet.lab.hfmirror import Cut, MirrorServer
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "gpufleet" / "host" / "cache_fetch.py"
+FLASH = "zai-org/GLM-5.3-Flash"
+BIG_REPO = "zai-org/GLM-5.3"
+BIG = "zz-big.safetensors"  # top level, so the default file set takes it
+BIG_SIZE = 24 * 1024 * 1024  # more than two of huggingface_hub's 10 MiB chunks
+GATED = "zai-org/GLM-5.3-BF16"
+TOKEN = "hf_labGATEDcachetoken0123456789"
+OTHER_TOKEN = "hf_labOTHERcachetoken0123456789"
+WRONG_TOKEN = "hf_labWRONGcachetoken0123456789"
+ENGINE_FILES = {
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "model.safetensors.index.json",
+}
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def mirror():
+    server = MirrorServer(gated={GATED: TOKEN}, tokens=[OTHER_TOKEN], log_stream=io.StringIO(),
+                          repos=[FLASH, BIG_REPO, GATED])
+    server.add_file(BIG_REPO, BIG, size=BIG_SIZE, lfs=True)
+    with server:
+        yield server
+
+
+@pytest.fixture(autouse=True)
+def clean(mirror):
+    mirror.set_cuts([])
+    mirror.stats.reset()
+
+
+def fetch(mirror, cache, repo=FLASH, *extra, env=None, endpoint=True):
+    cmd = [sys.executable, str(SCRIPT), "--repo", repo, "--cache-dir", str(cache), "--json",
+           "--backoff", "0.05", "--progress-interval", "0.5", "--lock-stale", "5", *extra]
+    if endpoint:
+        cmd += ["--endpoint", mirror.url]
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+    full_env.update(env or {})
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=full_env)
+
+
+def run(mirror, cache, repo=FLASH, *extra, env=None, endpoint=True):
+    proc = fetch(mirror, cache, repo, *extra, env=env, endpoint=endpoint)
+    out, err = proc.communicate(timeout=100)
+    summary = json.loads(out) if out.strip() else {}
+    return proc.returncode, summary, out + err
+
+
+def expected(mirror, repo) -> dict[str, object]:
+    """The mirror's files that the default selection takes: path -> RepoFile."""
+    files = mirror.repos[repo].files
+    return {p: f for p, f in files.items() if p.endswith(".safetensors") or p in ENGINE_FILES}
+
+
+def snapshot(cache, mirror, repo) -> Path:
+    sha = mirror.repos[repo].sha
+    return cache / "hub" / ("models--" + repo.replace("/", "--")) / "snapshots" / sha
+
+
+def assert_verified(cache, mirror, repo):
+    snap = snapshot(cache, mirror, repo)
+    want = expected(mirror, repo)
+    assert sorted(p.name for p in snap.iterdir()) == sorted(want)
+    for path, f in want.items():
+        assert hashlib.sha256((snap / path).read_bytes()).hexdigest() == f.sha256, path
+    manifest = json.loads((snap.parent.parent / f".gpufleet-manifest-{snap.name}.json")
+                          .read_text())
+    assert manifest["complete"] is True
+    assert {e["file"]: e["sha256"] for e in manifest["files"]} == {
+        p: f.sha256 for p, f in want.items()}
+
+
+def total(mirror, repo) -> int:
+    return sum(f.size for f in expected(mirror, repo).values())
+
+
+def test_one_transfer_then_rerun_downloads_nothing_and_serves_offline(mirror, tmp_path):
+    code, summary, out = run(mirror, tmp_path)
+    assert code == 0, out
+    assert_verified(tmp_path, mirror, FLASH)
+    stats = mirror.stats.snapshot()
+    assert stats["bytes_sent"] == total(mirror, FLASH) == summary["bytes_downloaded"]
+    assert "README.md" not in json.dumps(stats["files"])  # only what the engine reads
+    assert summary["changed"] is True and summary["complete"] is True
+    assert "fetched model-00001-of-00003.safetensors" in out and "[" in out
+
+    mirror.stats.reset()
+    code, summary, out = run(mirror, tmp_path)
+    assert code == 0, out
+    assert mirror.stats.snapshot()["bytes_sent"] == 0
+    assert summary["changed"] is False and summary["bytes_downloaded"] == 0
+
+    # an engine with HF_HUB_OFFLINE=1 finds the snapshot through refs/main
+    probe = (
+        "from huggingface_hub import snapshot_download, hf_hub_download;"
+        f"print(snapshot_download({FLASH!r}));"
+        f"print(open(hf_hub_download({FLASH!r}, 'config.json')).read()[:1])"
+    )
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "hub"),
+           "HF_ENDPOINT": "http://127.0.0.1:9"}
+    res = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env,
+                         timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.splitlines() == [str(snapshot(tmp_path, mirror, FLASH)), "{"]
+
+
+def test_dry_run_reports_without_downloading_or_writing(mirror, tmp_path):
+    cache = tmp_path / "cache"  # not there yet, as in check mode before the first run
+    code, summary, out = run(mirror, cache, FLASH, "--dry-run")
+    assert code == 0, out
+    assert summary["complete"] is False and summary["to_download"] == len(expected(mirror, FLASH))
+    assert summary["need_bytes"] == total(mirror, FLASH)
+    assert "would download" in out
+    assert mirror.stats.snapshot()["bytes_sent"] == 0
+    assert not cache.exists()
+
+    code, _, out = run(mirror, cache)
+    assert code == 0, out
+    blob = Path(os.path.realpath(snapshot(cache, mirror, FLASH) / "config.json"))
+    blob.write_text("{}")
+    mirror.stats.reset()
+    code, summary, out = run(mirror, cache, FLASH, "--dry-run")
+    assert code == 0, out
+    assert summary["replaced"] == ["config.json"] and summary["to_download"] == 1
+    assert blob.read_text() == "{}" and mirror.stats.snapshot()["bytes_sent"] == 0
+
+
+class Watcher(threading.Thread):
+    """Polls the snapshot folder and records any visible file whose content is wrong."""
+
+    def __init__(self, snap: Path, files: dict):
+        super().__init__(daemon=True)
+        self.snap, self.files = snap, files
+        self.stop = threading.Event()
+        self.bad: list[str] = []
+        self.seen: set[str] = set()
+
+    def run(self):
+        while not self.stop.is_set():
+            for path, f in self.files.items():
+                try:
+                    data = (self.snap / path).read_bytes()
+                except OSError:
+                    continue
+                self.seen.add(path)
+                if hashlib.sha256(data).hexdigest() != f.sha256:
+                    self.bad.append(path)
+            time.sleep(0.01)
+
+
+def test_interrupted_transfer_then_rerun_completes_and_no_bad_file_is_visible(mirror, tmp_path):
+    # huggingface_hub retries a short body 5 times within one call: 6 cuts make the call fail
+    mirror.set_cuts([Cut(f"{BIG_REPO}/{BIG}", 15 * 1024 * 1024, times=6, mode="close")])
+    watcher = Watcher(snapshot(tmp_path, mirror, BIG_REPO), expected(mirror, BIG_REPO))
+    watcher.start()
+    try:
+        code, summary, out = run(mirror, tmp_path, BIG_REPO, "--retries", "1")
+        assert code == 1, out
+        assert BIG in summary["error"] and "re-run" in summary["error"]
+        assert mirror.stats.snapshot()["files"][f"{BIG_REPO}/{BIG}"]["cut"] == 6
+        assert not (snapshot(tmp_path, mirror, BIG_REPO) / BIG).exists()
+        assert not list((tmp_path / "hub").rglob("*.incomplete"))
+
+        mirror.stats.reset()
+        code, summary, out = run(mirror, tmp_path, BIG_REPO)
+        assert code == 0, out
+    finally:
+        watcher.stop.set()
+        watcher.join()
+    assert watcher.bad == []
+    assert BIG in watcher.seen
+    assert_verified(tmp_path, mirror, BIG_REPO)
+    assert summary["downloaded"] == [BIG]  # the files verified by the first run stay
+    assert mirror.stats.snapshot()["bytes_sent"] == BIG_SIZE
+
+
+def test_connection_reset_is_retried_with_backoff_in_the_same_run(mirror, tmp_path):
+    mirror.set_cuts([Cut(f"{BIG_REPO}/{BIG}", 12 * 1024 * 1024, times=2, mode="reset")])
+    code, summary, out = run(mirror, tmp_path, BIG_REPO, "--retries", "3")
+    assert code == 0, out
+    assert out.count(f"{BIG}: attempt") == 2 and "retrying in" in out
+    assert_verified(tmp_path, mirror, BIG_REPO)
+
+
+def test_two_concurrent_runs_download_each_byte_once(mirror, tmp_path):
+    # slow the big file down (each cut costs huggingface_hub a 1 s retry) so the runs overlap
+    mirror.set_cuts([Cut(f"{BIG_REPO}/{BIG}", 15 * 1024 * 1024, times=2, mode="close")])
+    procs = [fetch(mirror, tmp_path, BIG_REPO) for _ in range(2)]
+    results = [p.communicate(timeout=100) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], results
+    summaries = [json.loads(out) for out, _ in results]
+    assert sorted(s["bytes_downloaded"] for s in summaries) == [0, total(mirror, BIG_REPO)]
+    assert any(s["lock_was_held"] for s in summaries)
+    stats = mirror.stats.snapshot()
+    sent_without_cuts = stats["bytes_sent"] - 2 * 5 * 1024 * 1024  # the two cut GETs' tails
+    assert sent_without_cuts == total(mirror, BIG_REPO)
+    assert all(entry["complete"] == 1 for entry in stats["files"].values())
+    assert_verified(tmp_path, mirror, BIG_REPO)
+
+
+def test_stale_lock_of_a_dead_process_is_broken_and_its_partial_files_removed(mirror, tmp_path):
+    locks = tmp_path / "hub" / ".gpufleet-locks"
+    locks.mkdir(parents=True)
+    partial = tmp_path / "hub" / "models--zai-org--GLM-5.3-Flash" / ".gpufleet-staging" / "dead"
+    partial.mkdir(parents=True)
+    (partial / "x.incomplete").write_bytes(b"\0" * 1000)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True).stdout.strip()
+    lock = locks / "models--zai-org--GLM-5.3-Flash.lock"
+    lock.write_text(json.dumps({"host": socket.gethostname(), "pid": int(dead),
+                                "nonce": "x", "heartbeat": 0}))
+    code, _, out = run(mirror, tmp_path)
+    assert code == 0, out
+    assert "breaking stale lock" in out and not lock.exists()
+    assert not partial.parent.exists()
+    assert_verified(tmp_path, mirror, FLASH)
+
+
+def test_lock_with_a_live_heartbeat_times_out_and_a_silent_one_is_broken(mirror, tmp_path):
+    locks = tmp_path / "hub" / ".gpufleet-locks"
+    locks.mkdir(parents=True)
+    lock = locks / "models--zai-org--GLM-5.3-Flash.lock"
+    stop = threading.Event()
+
+    def beat():
+        while not stop.is_set():
+            lock.write_text(json.dumps({"host": "other-host", "pid": 1, "nonce": "y",
+                                        "heartbeat": time.time()}))
+            time.sleep(0.2)
+
+    beater = threading.Thread(target=beat, daemon=True)
+    beater.start()
+    try:
+        code, summary, out = run(mirror, tmp_path, FLASH, "--lock-timeout", "2",
+                                 "--lock-stale", "1.5")
+    finally:
+        stop.set()
+        beater.join()
+    assert code == 7, out
+    assert "waiting for the lock held by other-host pid 1" in out
+    assert mirror.stats.snapshot()["bytes_sent"] == 0
+    # the other host died: its heartbeat stops changing, the lock is broken after --lock-stale
+    code, _, out = run(mirror, tmp_path, FLASH, "--lock-stale", "1")
+    assert code == 0, out
+    assert "breaking stale lock of other-host pid 1" in out
+
+
+def test_tampered_blob_is_detected_and_replaced(mirror, tmp_path):
+    code, _, out = run(mirror, tmp_path)
+    assert code == 0, out
+    shard = "model-00002-of-00003.safetensors"
+    link = snapshot(tmp_path, mirror, FLASH) / shard
+    blob = Path(os.path.realpath(link))
+    st = blob.stat()
+    with open(blob, "r+b") as f:  # same size, same mtime: only a rehash can tell
+        f.seek(4096)
+        f.write(b"\0" * 64)
+    os.utime(blob, ns=(st.st_atime_ns, st.st_mtime_ns))
+    mirror.stats.reset()
+
+    code, summary, out = run(mirror, tmp_path, FLASH, "--verify", "full")
+    assert code == 0, out
+    assert summary["replaced"] == [shard] and summary["downloaded"] == [shard]
+    assert summary["changed"] is True
+    assert mirror.stats.snapshot()["bytes_sent"] == mirror.repos[FLASH].files[shard].size
+    assert_verified(tmp_path, mirror, FLASH)
+
+    # an edit that changes the mtime is caught by the default fast verify too
+    with open(blob, "r+b") as f:
+        f.write(b"garbage")
+    code, summary, out = run(mirror, tmp_path)
+    assert code == 0, out
+    assert summary["replaced"] == [shard]
+    assert_verified(tmp_path, mirror, FLASH)
+
+
+def test_small_disk_refuses_before_any_byte_moves(mirror, tmp_path):
+    code, summary, out = run(mirror, tmp_path, env={"GPUFLEET_CACHE_FAKE_FREE_BYTES": "1000000"})
+    assert code == 6, out
+    need = total(mirror, FLASH) / 1024**3
+    assert f"needs {need:.2f} GiB (+0 GiB reserve), 0.00 GiB free on {tmp_path}" in out
+    assert mirror.stats.snapshot()["bytes_sent"] == 0
+    assert not snapshot(tmp_path, mirror, FLASH).exists()
+
+    code, summary, out = run(mirror, tmp_path, FLASH, "--min-free-gib", "1000000")
+    assert code == 6 and "+1e+06 GiB reserve" in out, out
+    assert mirror.stats.snapshot()["bytes_sent"] == 0
+
+
+@pytest.mark.parametrize(
+    ("env", "words"),
+    [
+        ({}, "is gated and no token was given"),
+        ({"HF_TOKEN": WRONG_TOKEN}, "refused the token (HTTP 401"),
+        ({"HF_TOKEN": OTHER_TOKEN}, "the token has no access to the gated repo"),
+    ],
+    ids=["no-token", "unknown-token", "token-without-access"],
+)
+def test_gated_repo_refuses_clearly_and_never_prints_the_token(mirror, tmp_path, env, words):
+    code, summary, out = run(mirror, tmp_path, GATED, env={**env, "HF_DEBUG": "1"})
+    assert code == 3, out
+    assert words in out
+    assert "set HF_TOKEN on the controller or gpufleet_hf_token in ansible-vault" in out
+    for token in (TOKEN, OTHER_TOKEN, WRONG_TOKEN):
+        assert token not in out
+    assert mirror.stats.snapshot()["bytes_sent"] == 0
+
+
+def test_gated_repo_with_the_right_token_from_a_file(mirror, tmp_path):
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+    token_file.chmod(0o600)
+    code, summary, out = run(mirror, tmp_path / "cache", GATED, "--token-file", str(token_file),
+                             env={"HF_DEBUG": "1"})
+    assert code == 0, out
+    assert TOKEN not in out
+    assert_verified(tmp_path / "cache", mirror, GATED)
+
+
+def test_unreachable_endpoint_names_the_setting(mirror, tmp_path):
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code, summary, out = run(mirror, tmp_path, FLASH, endpoint=False,
+                             env={"HF_ENDPOINT": f"http://127.0.0.1:{port}"})
+    assert code == 5, out
+    assert f"cannot reach http://127.0.0.1:{port}" in out
+    assert "check HF_ENDPOINT / gpufleet_hf_endpoint" in out
+    assert "Traceback" not in out
+
+
+def test_unknown_repo_and_revision(mirror, tmp_path):
+    code, _, out = run(mirror, tmp_path, "zai-org/GLM-9")
+    assert code == 4 and "repo zai-org/GLM-9 not found" in out, out
+    code, _, out = run(mirror, tmp_path, FLASH, "--revision", "v0.0-nope")
+    assert code == 4 and "gpufleet_model_revision" in out, out

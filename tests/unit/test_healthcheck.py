@@ -1,0 +1,686 @@
+"""The host health checker (gpufleet/host/healthcheck.py), run as the timer runs it.
+
+Loopback only. The checker runs as a subprocess from an "installed" copy (healthcheck.py
+next to gpu_facts.py, `python -I -S`: no site-packages, so stdlib only), against a tiny
+HTTP engine in this process (healthy, wedged: /health 200 but generation hangs, or
+failing) or a real stand-in vLLM, with fake `systemctl`, `nvidia-smi` and `journalctl`
+on PATH: this machine has no systemd. The lab tests exercise the real systemd units,
+timer and restarts on the lab hosts.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+XML = REPO / "tests" / "fixtures" / "hardware" / "h200-1gpu" / "nvidia-smi-q.xml"
+KEY = "sk-gpufleet-SECRET-3f9a1c"
+UNIT = "gpufleet-router.service"
+MODEL = "zai-org/GLM-5.3-Flash"
+
+# ------------------------------------------------------------------------ fakes
+
+FAKE_SYSTEMCTL = r'''
+import json, os, sys, time
+state_path, log = os.environ["FAKE_SYSTEMD"], os.environ["FAKE_SYSTEMD_LOG"]
+with open(log, "a") as f:
+    f.write(json.dumps(sys.argv[1:]) + "\n")
+units = json.load(open(state_path))
+args = [a for a in sys.argv[1:] if not a.startswith("-")]
+verb, name = args[0], args[-1]
+u = units.get(name)
+if verb == "show":
+    if u is None:
+        print("ActiveState=inactive\nLoadState=not-found\nNRestarts=0\n"
+              "ActiveEnterTimestampMonotonic=0")
+        sys.exit(0)
+    entered = int((time.monotonic() - u["age"]) * 1e6) if u["state"] == "active" else 0
+    print("ActiveEnterTimestampMonotonic=%d\nActiveState=%s\nLoadState=loaded\nNRestarts=%d"
+          % (entered, u["state"], u.get("nrestarts", 0)))
+elif verb == "is-active":
+    print(u["state"] if u else "inactive")
+    sys.exit(0 if u and u["state"] == "active" else 3)
+elif verb == "restart":
+    sys.exit(0 if u else 5)
+'''
+FAKE_NVIDIA_SMI = r'''
+import os, sys
+if sys.argv[1:] != ["-q", "-x"]:
+    sys.exit(9)
+sys.stdout.write(open(os.environ["FAKE_NVIDIA_SMI_XML"]).read())
+'''
+FAKE_JOURNALCTL = r'''
+import os, sys
+sys.stdout.write(os.environ.get("FAKE_KERNEL_LOG", ""))
+'''
+
+
+def write_tool(bindir: Path, name: str, body: str) -> None:
+    path = bindir / name
+    path.write_text(f"#!{sys.executable} -S\n{body}")
+    path.chmod(0o755)
+
+
+# ------------------------------------------------------------------------ engine
+
+
+class Engine:
+    """A loopback OpenAI-style engine: mode ok, wedged (generation hangs) or error."""
+
+    def __init__(self, key: str | None = KEY):
+        self.mode, self.key, self.requests = "ok", key, []
+        self.release = threading.Event()
+        engine = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def reply(self, code, body):
+                data = json.dumps(body).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                if self.path == "/health":
+                    return self.reply(500 if engine.mode == "error" else 200, {})
+                self.reply(404, {"error": "not found"})
+
+            def do_POST(self):
+                length = int(self.headers.get("Content-Length") or 0)
+                body = json.loads(self.rfile.read(length) or b"{}")
+                engine.requests.append((self.path, dict(self.headers), body))
+                if engine.key and self.headers.get("Authorization") != f"Bearer {engine.key}":
+                    return self.reply(401, {"error": "Unauthorized"})
+                if engine.mode == "wedged":
+                    engine.release.wait(30)
+                if engine.mode == "error":
+                    return self.reply(500, {"error": "EngineDeadError"})
+                self.reply(200, {"object": "text_completion", "model": body.get("model"),
+                                 "choices": [{"index": 0, "text": "!",
+                                              "finish_reason": "length"}]})
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.release.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def engine():
+    eng = Engine()
+    yield eng
+    eng.close()
+
+
+# ------------------------------------------------------------------------ host
+
+
+class Host:
+    """An installed checker, its config, state, textfile and fake tools."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        lib = root / "lib"
+        lib.mkdir()
+        shutil.copy(REPO / "gpufleet" / "host" / "healthcheck.py", lib)
+        shutil.copy(REPO / "gpufleet" / "module_utils" / "gpu_facts.py", lib)
+        self.script = lib / "healthcheck.py"
+        self.bin = root / "bin"
+        self.bin.mkdir()
+        write_tool(self.bin, "systemctl", FAKE_SYSTEMCTL)
+        self.units_file = root / "units.json"
+        self.systemctl_log = root / "systemctl.log"
+        self.systemctl_log.touch()
+        self.textfile = root / "textfile" / "gpufleet.prom"
+        self.textfile.parent.mkdir()
+        self.state = root / "state" / "health-state.json"
+        self.state.parent.mkdir()
+        self.cache = root / "cache"
+        self.cache.mkdir()
+        self.key_file = root / "api-key"
+        self.key_file.write_text(KEY + "\n")
+        self.key_file.chmod(0o600)
+        self.config = root / "health.json"
+        self.env = {"PATH": str(self.bin), "FAKE_SYSTEMD": str(self.units_file),
+                    "FAKE_SYSTEMD_LOG": str(self.systemctl_log), "LANG": "C.UTF-8"}
+        self.set_units({UNIT: {"state": "active", "age": 100000}})
+
+    def set_units(self, units: dict) -> None:
+        self.units_file.write_text(json.dumps(units))
+
+    def nvidia_smi(self, xml: str) -> None:
+        (self.root / "nvidia-smi.xml").write_text(xml)
+        self.env["FAKE_NVIDIA_SMI_XML"] = str(self.root / "nvidia-smi.xml")
+        write_tool(self.bin, "nvidia-smi", FAKE_NVIDIA_SMI)
+
+    def journal(self, text: str) -> None:
+        self.env["FAKE_KERNEL_LOG"] = text
+        write_tool(self.bin, "journalctl", FAKE_JOURNALCTL)
+
+    def write_config(self, engine: Engine | None = None, units: list | None = None,
+                     **top) -> dict:
+        if units is None:
+            units = [unit_cfg(engine.url, self.key_file)]
+        cfg = {"version": 1, "host": "workers-1", "units": units,
+               "textfile": str(self.textfile), "state_file": str(self.state),
+               "restart": {"after_failures": 3, "cooldown_s": 3600},
+               "cache": {"path": str(self.cache), "min_free_gib": 0},
+               "gpu": {"vendor": None}}
+        cfg.update(top)
+        self.config.write_text("# Ansible managed\n" + json.dumps(cfg, indent=2))
+        return cfg
+
+    def run(self, *args: str, timeout: float = 30) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-I", "-S", str(self.script), "--config",
+                               str(self.config), *args], env=self.env, capture_output=True,
+                              text=True, timeout=timeout)
+
+    def popen(self, *args: str) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-I", "-S", str(self.script), "--config",
+                                 str(self.config), *args], env=self.env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def restarts(self) -> list:
+        calls = [json.loads(line) for line in self.systemctl_log.read_text().splitlines()]
+        return [c for c in calls if c and c[0] == "restart"]
+
+    def metrics(self) -> dict:
+        return parse_exposition(self.textfile.read_text())
+
+
+def unit_cfg(url: str, key_file: Path | None, **extra) -> dict:
+    out = {"unit": UNIT, "name": "router", "role": "router", "health_url": f"{url}/health",
+           "generate_url": f"{url}/v1/completions", "served_name": MODEL,
+           "api_key_file": str(key_file) if key_file else None, "health_timeout_s": 2,
+           "generate_timeout_s": 2, "startup_grace_s": 60, "restart": True, "depends_on": []}
+    out.update(extra)
+    return out
+
+
+@pytest.fixture
+def host(tmp_path):
+    return Host(tmp_path)
+
+
+# ------------------------------------------------------------------------ exposition
+
+NAME = r"[a-zA-Z_:][a-zA-Z0-9_:]*"
+SAMPLE = re.compile(rf"^({NAME})(?:\{{(.*)\}})? (\S+)$")
+LABEL = re.compile(r'\s*([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\\n]|\\[\\"n])*)"\s*(?:,|$)')
+TYPES = {"counter", "gauge", "histogram", "summary", "untyped"}
+
+
+def parse_exposition(text: str) -> dict:
+    """Prometheus text format 0.0.4 -> {(name, ((label, value), ...)): float}.
+
+    Strict: every sample belongs to a family with HELP and TYPE declared before it,
+    families are contiguous, labels are well quoted, values are floats, the text ends
+    with a newline, no sample is repeated.
+    """
+    assert text.endswith("\n"), "exposition must end with a newline"
+    typed, helped, samples, done, current = {}, set(), {}, set(), None
+    for line in text.splitlines():
+        if line.startswith("# HELP "):
+            name = line.split(" ", 3)[2]
+            assert re.fullmatch(NAME, name) and name not in helped, line
+            helped.add(name)
+        elif line.startswith("# TYPE "):
+            _, _, name, kind = line.split(" ")
+            assert kind in TYPES and name not in typed and name in helped, line
+            typed[name] = kind
+            if current:
+                done.add(current)
+            current = name
+        elif line.startswith("#") or not line.strip():
+            continue
+        else:
+            match = SAMPLE.match(line)
+            assert match, f"bad sample line: {line!r}"
+            name, labels, value = match.groups()
+            assert name == current and name not in done, f"{name} outside its family"
+            pairs = []
+            if labels:
+                pos = 0
+                while pos < len(labels):
+                    lab = LABEL.match(labels, pos)
+                    assert lab, f"bad labels: {labels!r}"
+                    pairs.append((lab.group(1), lab.group(2)))
+                    pos = lab.end()
+            key = (name, tuple(sorted(pairs)))
+            assert key not in samples, f"duplicate sample {line!r}"
+            try:
+                number = float(value)
+            except ValueError:
+                raise AssertionError(f"bad value: {line!r}") from None
+            assert not math.isnan(number) or value == "NaN", line
+            samples[key] = number
+    return samples
+
+
+def value(samples: dict, name: str, **labels) -> float:
+    key = (name, tuple(sorted((k, str(v)) for k, v in labels.items())))
+    assert key in samples, f"{key} not in metrics: {sorted(samples)}"
+    return samples[key]
+
+
+def test_exposition_parser_rejects_bad_text():
+    good = '# HELP a x\n# TYPE a gauge\na{b="c"} 1\n'
+    assert parse_exposition(good) == {("a", (("b", "c"),)): 1.0}
+    for bad in ['# HELP a x\n# TYPE a gauge\na{b="c} 1\n', "# HELP a x\n# TYPE a gauge\na 1",
+                "a 1\n", '# HELP a x\n# TYPE a gauge\na{b="c"} one\n']:
+        with pytest.raises(AssertionError):
+            parse_exposition(bad)
+
+
+# ------------------------------------------------------------------------ tests
+
+
+def assert_no_secret(host: Host, proc: subprocess.CompletedProcess) -> None:
+    for where, text in [("stdout", proc.stdout), ("stderr", proc.stderr),
+                        ("metrics", host.textfile.read_text()),
+                        ("state", host.state.read_text() if host.state.exists() else ""),
+                        ("systemctl argv", host.systemctl_log.read_text())]:
+        assert KEY not in text, f"API key leaked into {where}"
+
+
+def test_healthy_engine(host, engine):
+    host.nvidia_smi(XML.read_text())
+    host.write_config(engine, gpu={"vendor": "nvidia", "count": 1})
+    proc = host.run()
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    m = host.metrics()
+    for check in ("active", "health", "generate"):
+        assert value(m, "gpufleet_health_check_ok", check=check, unit=UNIT) == 1
+    for check in ("gpu", "cache"):
+        assert value(m, "gpufleet_health_check_ok", check=check, unit="") == 1
+    assert value(m, "gpufleet_health_ok") == 1
+    assert 0 < value(m, "gpufleet_generation_latency_seconds", unit=UNIT) < 2
+    assert value(m, "gpufleet_cache_free_bytes", path=host.cache) > 0
+    uuid = "GPU-" + re.search(r"<uuid>GPU-([^<]+)</uuid>", XML.read_text()).group(1)
+    assert value(m, "gpufleet_gpu_ecc_uncorrected_errors", gpu=0, uuid=uuid,
+                 counter="volatile") == 0
+    assert value(m, "gpufleet_unit_restarts_total", unit=UNIT, by="healthcheck") == 0
+    assert time.time() - value(m, "gpufleet_health_last_run_timestamp_seconds") < 30
+    # one line per check, a real one-token generation with the key in a header
+    assert re.search(rf"^OK +generate +{UNIT} ", proc.stdout, re.M)
+    assert re.search(r"^OK +gpu +- .*1 GPUs", proc.stdout, re.M)
+    path, headers, body = engine.requests[-1]
+    assert path == "/v1/completions" and body["max_tokens"] == 1 and body["model"] == MODEL
+    assert headers["Authorization"] == f"Bearer {KEY}"
+    assert_no_secret(host, proc)
+    # journalctl absent: the Xid check says so, it does not pass by accident
+    assert re.search(r"^NA +gpu_xid .*journalctl not found", proc.stdout, re.M)
+    assert ("gpufleet_health_check_ok", (("check", "gpu_xid"), ("unit", ""))) not in m
+
+
+def test_json_output_for_fab_health(host, engine):
+    host.write_config(engine)
+    proc = host.run("--json")
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)  # stdout is the JSON alone; log lines go to stderr
+    assert report["healthy"] is True and report["exit_code"] == 0
+    assert report["host"] == "workers-1"
+    assert {(c["check"], c["status"]) for c in report["checks"]} >= {
+        ("active", "ok"), ("health", "ok"), ("generate", "ok"), ("cache", "ok")}
+    assert report["units"][UNIT]["active_state"] == "active"
+    assert "OK   generate" in proc.stderr
+    assert_no_secret(host, proc)
+
+
+def test_wedged_engine_fails_within_timeout(host, engine):
+    engine.mode = "wedged"
+    host.write_config(engine, units=[unit_cfg(engine.url, host.key_file,
+                                              generate_timeout_s=1)])
+    started = time.monotonic()
+    proc = host.run(timeout=20)
+    elapsed = time.monotonic() - started
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert elapsed < 5, f"a wedged engine held the checker {elapsed:.1f}s"
+    m = host.metrics()
+    assert value(m, "gpufleet_health_check_ok", check="health", unit=UNIT) == 1
+    assert value(m, "gpufleet_health_check_ok", check="generate", unit=UNIT) == 0
+    assert value(m, "gpufleet_health_ok") == 0
+    assert re.search(rf"^FAIL generate +{UNIT} .*timed out", proc.stdout, re.M)
+    assert_no_secret(host, proc)
+
+
+def test_wrong_api_key_is_a_failure_and_not_printed(host, engine):
+    engine.key = "sk-the-right-one"
+    host.write_config(engine)
+    proc = host.run()
+    assert proc.returncode == 1
+    assert re.search(r"^FAIL generate .*answered 401", proc.stdout, re.M)
+    assert_no_secret(host, proc)
+
+
+def test_restart_after_n_failures_once_per_cooldown(host, engine):
+    engine.mode = "error"
+    host.write_config(engine)
+    for run in (1, 2):
+        assert host.run().returncode == 1
+        assert host.restarts() == [], f"restarted after {run} failures"
+    proc = host.run()
+    assert proc.returncode == 1
+    assert host.restarts() == [["restart", "--no-block", UNIT]]
+    assert "restart requested after 3 consecutive failures" in proc.stdout
+    assert value(host.metrics(), "gpufleet_unit_restarts_total", unit=UNIT,
+                 by="healthcheck") == 1
+    # the unit keeps failing: the streak builds up again, the cooldown holds
+    for _ in range(4):
+        proc = host.run()
+    assert len(host.restarts()) == 1
+    assert re.search(r"failure 4: restarted \d+s ago, cooldown 3600s", proc.stdout)
+    # once the cooldown has passed, the next failure restarts it again
+    state = json.loads(host.state.read_text())
+    state["units"][UNIT]["last_restart"] -= 3601
+    host.state.write_text(json.dumps(state))
+    host.run()
+    assert len(host.restarts()) == 2
+    assert_no_secret(host, proc)
+
+
+def test_no_restart_during_startup_window(host, engine):
+    engine.mode = "error"
+    host.write_config(engine)
+    for state in ({"state": "active", "age": 5}, {"state": "activating", "age": 0}):
+        host.set_units({UNIT: state})
+        for _ in range(5):
+            proc = host.run()
+            assert proc.returncode == 1
+        assert host.restarts() == []
+        assert "in start-up window" in proc.stdout
+        m = host.metrics()
+        assert value(m, "gpufleet_unit_in_startup_window", unit=UNIT) == 1
+        assert value(m, "gpufleet_unit_consecutive_failures", unit=UNIT) == 0
+    # past the grace period the streak starts from zero
+    host.set_units({UNIT: {"state": "active", "age": 61}})
+    host.run()
+    host.run()
+    assert host.restarts() == []
+    host.run()
+    assert len(host.restarts()) == 1
+
+
+def test_stopped_unit_and_failing_dependency_are_not_restarted(host, engine):
+    engine.mode = "error"
+    decode = "gpufleet-decode.service"
+    host.set_units({UNIT: {"state": "active", "age": 1000}})  # decode: not loaded
+    host.write_config(units=[
+        unit_cfg(engine.url, host.key_file, depends_on=[decode]),
+        {"unit": decode, "health_url": engine.url + "/health"}])
+    for _ in range(4):
+        proc = host.run()
+    assert host.restarts() == []
+    assert f"not counted: depends on unhealthy {decode}" in proc.stdout
+    assert "LoadState=not-found" in proc.stdout
+    assert re.search(rf"{decode} failure 4: inactive, not restarting", proc.stdout)
+
+
+def test_no_restart_flag_observes_only(host, engine):
+    engine.mode = "error"
+    host.write_config(engine, restart={"after_failures": 1})
+    proc = host.run("--no-restart")
+    assert proc.returncode == 1
+    assert "would restart (--no-restart)" in proc.stdout
+    assert host.restarts() == [] and not host.state.exists()
+
+
+def test_textfile_replaced_atomically(host, engine):
+    host.write_config(engine)
+    assert host.run().returncode == 0
+    # readers that opened an older version keep a whole file (an in-place rewrite
+    # would truncate it under them); holding them open also keeps inodes from reuse
+    handles = [host.textfile.open()]
+    seen, errors, stop = [], [], threading.Event()
+
+    def reader():
+        while not stop.is_set():
+            try:
+                text = host.textfile.read_text()
+                parse_exposition(text)
+                assert "gpufleet_health_last_run_timestamp_seconds " in text
+                seen.append(len(text))
+            except AssertionError as exc:
+                errors.append(exc)
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    try:
+        for _ in range(5):
+            assert host.run().returncode == 0
+            handles.append(host.textfile.open())
+    finally:
+        stop.set()
+        thread.join()
+    assert not errors, f"a reader saw a partial file: {errors[0]}"
+    assert len(seen) > 10
+    assert len({os.fstat(h.fileno()).st_ino for h in handles}) == 6, "rewritten in place"
+    for handle in handles:
+        parse_exposition(handle.read())
+        handle.close()
+    assert sorted(p.name for p in host.textfile.parent.iterdir()) == ["gpufleet.prom"]
+
+
+def test_kill_9_leaves_state_and_metrics_whole(host, engine):
+    host.write_config(engine)
+    assert host.run().returncode == 0
+    before = host.textfile.read_text(), host.state.read_text()
+    engine.mode = "wedged"
+    host.write_config(engine, units=[unit_cfg(engine.url, host.key_file,
+                                              generate_timeout_s=20)])
+    proc = host.popen()
+    time.sleep(1.0)
+    assert proc.poll() is None
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate()
+    assert (host.textfile.read_text(), host.state.read_text()) == before
+    engine.release.set()
+    engine.mode = "ok"
+    assert host.run().returncode == 0
+    # a state file damaged by hand does not stop the checker
+    host.state.write_text('{"units": ')
+    proc = host.run()
+    assert proc.returncode == 0 and "unreadable" in proc.stdout
+    assert json.loads(host.state.read_text())["units"][UNIT]["consecutive_failures"] == 0
+
+
+def edit_gpu0(xml: str, old: str, new: str) -> str:
+    assert old in xml
+    return xml.replace(old, new, 1)
+
+
+@pytest.mark.parametrize("old,new,healthy,message", [
+    ("<dram_uncorrectable>0</dram_uncorrectable>",
+     "<dram_uncorrectable>2</dram_uncorrectable>", False, "GPU 0: 2 uncorrected ECC errors"),
+    ("<remapped_row_pending>No</remapped_row_pending>",
+     "<remapped_row_pending>Yes</remapped_row_pending>", False, "row remapping pending"),
+    ("<pending_retirement>N/A</pending_retirement>",
+     "<pending_retirement>Yes</pending_retirement>", False, "page retirement pending"),
+    ("<retired_count>N/A</retired_count>", "<retired_count>N/A</retired_count>", True, "1 GPUs"),
+])
+def test_gpu_health_from_nvidia_smi(host, engine, old, new, healthy, message):
+    host.nvidia_smi(edit_gpu0(XML.read_text(), old, new))
+    host.write_config(engine, gpu={"vendor": "nvidia"})
+    proc = host.run()
+    assert proc.returncode == (0 if healthy else 1), proc.stdout
+    line = re.search(r"^(OK|FAIL) +gpu +- .*$", proc.stdout, re.M)
+    assert line and line.group(1) == ("OK" if healthy else "FAIL") and message in line.group(0)
+    m = host.metrics()
+    assert value(m, "gpufleet_health_check_ok", check="gpu", unit="") == int(healthy)
+    volatile = [v for (name, labels), v in m.items()
+                if name == "gpufleet_gpu_ecc_uncorrected_errors"
+                and ("counter", "volatile") in labels]
+    assert volatile == [2.0 if "dram_uncorrectable>2" in new else 0.0]
+    # the engine stays healthy and is not restarted for a GPU problem
+    assert value(m, "gpufleet_health_check_ok", check="generate", unit=UNIT) == 1
+
+
+def test_lifetime_ecc_errors_are_exported_but_not_unhealthy(host, engine):
+    xml = XML.read_text()
+    agg = xml.index("<aggregate>")
+    xml = xml[:agg] + edit_gpu0(xml[agg:], "<dram_uncorrectable>0</dram_uncorrectable>",
+                                "<dram_uncorrectable>7</dram_uncorrectable>")
+    host.nvidia_smi(xml)
+    host.write_config(engine, gpu={"vendor": "nvidia"})
+    assert host.run().returncode == 0
+    m = host.metrics()
+    assert [v for (name, labels), v in m.items() if name == "gpufleet_gpu_ecc_uncorrected_errors"
+            and ("counter", "aggregate") in labels] == [7.0]
+
+
+def test_gpu_tools_missing_or_broken(host, engine):
+    # the plan says NVIDIA but the driver tool is gone: unhealthy, not "no GPU, fine"
+    host.write_config(engine, gpu={"vendor": "nvidia"})
+    proc = host.run()
+    assert proc.returncode == 1 and "nvidia-smi not found" in proc.stdout
+    # a router-only host without GPUs: not applicable, no ok metric either way
+    host.write_config(engine, gpu={"vendor": None})
+    proc = host.run()
+    assert proc.returncode == 0 and re.search(r"^NA +gpu ", proc.stdout, re.M)
+    assert not any(k[0] == "gpufleet_health_check_ok" and ("check", "gpu") in k[1]
+                   for k in host.metrics())
+    # the driver does not answer
+    write_tool(host.bin, "nvidia-smi", "import sys\nprint('NVIDIA-SMI has failed because it "
+               "couldn\\'t communicate with the NVIDIA driver.')\nsys.exit(9)\n")
+    host.write_config(engine, gpu={"vendor": "nvidia", "count": 8})
+    proc = host.run()
+    assert proc.returncode == 1 and "couldn't communicate with the NVIDIA driver" in proc.stdout
+    # fewer GPUs than the plan uses (one fell off the bus)
+    host.nvidia_smi(XML.read_text())
+    proc = host.run()
+    assert proc.returncode == 1 and "1 GPUs visible, 8 expected" in proc.stdout
+
+
+def test_fatal_xid_in_kernel_log(host, engine):
+    host.journal("NVRM: Xid (PCI:0000:18:00): 13, pid=1234, Graphics Exception\n")
+    host.write_config(engine)
+    proc = host.run()
+    assert proc.returncode == 0, proc.stdout  # Xid 13: an application fault
+    assert value(host.metrics(), "gpufleet_gpu_xid_events", xid=13) == 1
+    host.journal("NVRM: Xid (PCI:0000:18:00): 79, pid=0, GPU has fallen off the bus.\n")
+    proc = host.run()
+    assert proc.returncode == 1
+    assert re.search(r"^FAIL gpu_xid .*Xid 79 on PCI:0000:18:00", proc.stdout, re.M)
+    assert value(host.metrics(), "gpufleet_health_check_ok", check="gpu_xid", unit="") == 0
+
+
+def test_cache_filesystem_full(host, engine):
+    host.write_config(engine, cache={"path": str(host.cache), "min_free_gib": 10**9})
+    proc = host.run()
+    assert proc.returncode == 1 and re.search(r"^FAIL cache .*minimum 1000000000 GiB",
+                                              proc.stdout, re.M)
+    host.write_config(engine, cache={"path": str(host.root / "missing"), "min_free_gib": 1})
+    assert host.run().returncode == 1
+
+
+@pytest.mark.parametrize("mutate,field", [
+    (lambda c: c["units"][0].pop("unit"), "units[0].unit: required"),
+    (lambda c: c["units"][0].update(generate_url="localhost:8000"), "units[0].generate_url"),
+    (lambda c: c["units"][0].update(served_name=None), "units[0].served_name"),
+    (lambda c: c["units"][0].update(generate_timeout_s="30"), "units[0].generate_timeout_s"),
+    (lambda c: c["units"][0].update(api_key_file="api-key"), "units[0].api_key_file"),
+    (lambda c: c["units"][0].update(depends_on=["nope.service"]), "units[0].depends_on"),
+    (lambda c: c["restart"].update(after_failures=0), "restart.after_failures"),
+    (lambda c: c["restart"].update(enabled="yes"), "restart.enabled"),
+    (lambda c: c["cache"].pop("path"), "cache.path: required"),
+    (lambda c: c["gpu"].update(vendor="intel"), "gpu.vendor"),
+    (lambda c: c.update(version=2), "version"),
+    (lambda c: c.update(textfile="metrics.prom"), "textfile"),
+])
+def test_config_errors_name_the_field(host, engine, mutate, field):
+    cfg = host.write_config(engine)
+    mutate(cfg)
+    host.config.write_text(json.dumps(cfg))
+    proc = host.run()
+    assert proc.returncode == 2, proc.stdout
+    assert f"config error: {field}" in proc.stdout
+    assert not host.textfile.exists() and not host.state.exists()
+
+
+def test_config_unreadable_or_not_json(host):
+    proc = host.run()
+    assert proc.returncode == 2 and "cannot read" in proc.stdout
+    host.config.write_text("{units: []}")
+    proc = host.run("--json")
+    assert proc.returncode == 2 and "not valid JSON" in proc.stderr
+    assert json.loads(proc.stdout)["exit_code"] == 2
+
+
+# ------------------------------------------------------------------------ real stand-in
+
+
+def _standins():
+    spec = importlib.util.spec_from_file_location("standins", REPO / "tests" / "unit" /
+                                                  "test_standins.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_real_standin_vllm(host, tmp_path):
+    st = _standins()
+    venv = st.make_venv(tmp_path / "standins")
+    port = st.free_port()
+    env = st.lab_env(tmp_path, venv)
+    log = tmp_path / "vllm.log"
+    cmd = (f"vllm serve {MODEL} --port {port} --host 127.0.0.1 --tensor-parallel-size 4 "
+           f"--served-model-name {MODEL} --api-key {KEY}")
+    server = st.Server(cmd, env, venv, log, port)
+    try:
+        server.wait()
+        host.write_config(units=[unit_cfg(server.url, host.key_file, generate_timeout_s=5,
+                                          health_timeout_s=3)])
+        proc = host.run()
+        assert proc.returncode == 0, proc.stdout + proc.stderr + log.read_text()
+        assert value(host.metrics(), "gpufleet_health_check_ok", check="generate",
+                     unit=UNIT) == 1
+        assert_no_secret(host, proc)
+        # the engine stops answering: health and generation fail, quickly
+        host.write_config(units=[unit_cfg(server.url, host.key_file, generate_timeout_s=1,
+                                          health_timeout_s=1)])
+        server.proc.send_signal(signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            proc = host.run()
+            assert proc.returncode == 1 and time.monotonic() - started < 5
+            assert re.search(r"^FAIL generate .*timed out", proc.stdout, re.M)
+        finally:
+            server.proc.send_signal(signal.SIGCONT)
+        # a wrong key: 401 from the real API, the right key never printed
+        host.key_file.write_text("sk-wrong\n")
+        proc = host.run()
+        assert proc.returncode == 1 and "401" in proc.stdout
+        assert_no_secret(host, proc)
+    finally:
+        server.stop()
+
+
+def test_checker_is_stdlib_only():
+    text = (REPO / "gpufleet" / "host" / "healthcheck.py").read_text()
+    imports = set(re.findall(r"^\s*(?:import|from) ([\w.]+)", text, re.M))
+    allowed = set(sys.stdlib_module_names) | {"gpu_facts", "gpufleet.module_utils"}
+    assert {i.split(".")[0] for i in imports} - {a.split(".")[0] for a in allowed} == set()
+    assert os.path.exists(REPO / "gpufleet" / "module_utils" / "gpu_facts.py")

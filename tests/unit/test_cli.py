@@ -48,7 +48,7 @@ def test_targets_json_lists_every_required_target():
 def test_plan_json_has_the_documented_shape(target):
     plan = json.loads(fab("plan", "--target", target, "--format", "json").stdout)
     assert {"target", "engine", "model", "processes", "hosts", "warnings"} <= set(plan)
-    assert set(plan["model"]) == {"repo", "revision", "served_name"}
+    assert {"repo", "revision", "served_name"} <= set(plan["model"])
     for p in plan["processes"]:
         assert {"name", "role", "host", "argv", "env", "unit", "ports", "gpus"} <= set(p)
         assert p["argv"][0].startswith("/")
@@ -106,9 +106,3 @@ def test_ansible_playbook_refuses_a_mismatched_inventory_before_any_host():
     assert "needs exactly 1 host(s) in group 'workers'" in proc.stdout
     assert "h200-node1" not in proc.stdout.split("PLAY RECAP")[-1]
 
-
-def test_deploy_runs_preflight_and_says_what_it_did_not_do():
-    proc = fab("deploy", "--target", "gb200-disagg", "-i", "inventories/gb200", check=False)
-    assert proc.returncode == 1
-    assert "preflight passed for gb200-disagg" in proc.stderr
-    assert "nothing was installed or started" in proc.stderr

@@ -27,6 +27,7 @@ IMPLIED_FLAGS = {
     "--tool-call-parser",         # parsers on every target that serves chat (the issue)
     "--reasoning-parser",
     "--enable-auto-tool-choice",
+    "--limit-mm-per-prompt",      # 002 promises one image per prompt (issue 10)
 }
 IMPLIED_ENV = {
     "CUDA_VISIBLE_DEVICES",        # GPUs pinned for every engine unit

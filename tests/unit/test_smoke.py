@@ -196,8 +196,6 @@ def test_text_only_model(sglang):
     assert skipped.ok and skipped.skipped
 
 
-@pytest.mark.xfail(strict=True, reason="planner: vLLM/Dynamo workers serving GLM-5.3-Flash "
-                   "need --limit-mm-per-prompt '{\"image\":1}' (002: one image per prompt)")
 def test_plan_limits_images_for_multimodal_models():
     for target in ("gb200-tray", "h200-agg"):
         argv = make_plan(target).processes[0].argv

@@ -17,6 +17,7 @@ from invoke import Collection, Exit, task
 
 from gpufleet import cli
 from gpufleet.inventory import InventoryError
+from gpufleet.lab.tasks import lab
 from gpufleet.plan import PlanError
 
 ROOT = Path(__file__).resolve().parent
@@ -104,3 +105,4 @@ def deploy(c, target=None, inventory=DEFAULT_INVENTORY, with_="", set_=None, uns
 
 
 ns = Collection(targets, plan, deploy)
+ns.add_collection(lab)

@@ -16,6 +16,7 @@ import hashlib
 import importlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -23,7 +24,7 @@ import time
 import uuid
 from pathlib import Path
 
-from gpufleet.lab import net, services
+from gpufleet.lab import net, services, wheels
 from gpufleet.lab.net import LabError
 
 SUITE = "bookworm"
@@ -107,6 +108,12 @@ SSH_DIR = STATE_DIR / "ssh"
 SSH_KEY = SSH_DIR / "id_ed25519"
 SSH_CONFIG = SSH_DIR / "config"
 STATE_FILE = STATE_DIR / "lab.json"
+# The checkpoint cache every lab host mounts at the same path: really shared, as the
+# NFS/Lustre mount of a real site. The disk-small fault swaps in a tiny tmpfs.
+SHARED_CACHE = STATE_DIR / "shared-cache"
+SMALL_CACHE = STATE_DIR / "shared-cache-small"
+SMALL_CACHE_SIZE = "64m"
+HOST_CACHE_PATH = "/var/cache/gpufleet/hf"
 REPO = Path(__file__).resolve().parents[2]
 INVENTORY = REPO / "inventories" / "lab" / "hosts.yml"
 BOOT_TIMEOUT = 90
@@ -398,6 +405,23 @@ def _umount_all() -> None:
         subprocess.run(["umount", "-l", point], capture_output=True)
 
 
+def cache_source(host: dict) -> Path:
+    """The controller directory a host mounts as its checkpoint cache."""
+    if "disk-small" not in host["faults"]:
+        SHARED_CACHE.mkdir(parents=True, exist_ok=True)
+        return SHARED_CACHE
+    SMALL_CACHE.mkdir(parents=True, exist_ok=True)
+    if str(SMALL_CACHE) not in lab_mounts():
+        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={SMALL_CACHE_SIZE},mode=0755",
+                        "tmpfs", str(SMALL_CACHE)], check=True, capture_output=True)
+    return SMALL_CACHE
+
+
+def hardware_of(profile: str) -> str:
+    """Catalog hardware name of a lab profile (h200x8 -> h200, mi355x8 -> mi355x)."""
+    return re.sub(r"x\d+$", "", profile)
+
+
 def start_host(host: dict, hdir: Path, root: Path) -> int:
     merged = hdir / "root"
     subprocess.run(
@@ -428,6 +452,7 @@ def start_host(host: dict, hdir: Path, root: Path) -> int:
         "--link-journal=no",
         "--console=read-only",
         "--kill-signal=SIGRTMIN+3",
+        f"--bind={cache_source(host)}:{HOST_CACHE_PATH}",
     ]
     with open(hdir / "console.log", "wb") as out:
         proc = subprocess.Popen(
@@ -497,8 +522,9 @@ def write_inventory(hosts: list[dict]) -> None:
         "    lab:",
         "      hosts:",
     ]
+    host_lines = []
     for h in hosts:
-        lines += [
+        host_lines += [
             f"        {h['name']}:",
             f"          ansible_host: {h['address']}",
             "          ansible_user: root",
@@ -507,7 +533,16 @@ def write_inventory(hosts: list[dict]) -> None:
             "            -o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null",
             f"          lab_profile: {h['profile']}",
             f"          lab_faults: {json.dumps(h['faults'])}",
+            f"          gpufleet_hardware: {hardware_of(h['profile'])}",
         ]
+    lines += host_lines
+    # The groups targets use: one-node targets run on lab1 (workers); two-node
+    # targets put prefill on lab1 and decode on lab2.
+    groups = {"workers": hosts[:1], "prefill": hosts[:1], "decode": hosts[1:2]}
+    for group, members in groups.items():
+        if members:
+            lines += [f"    {group}:", "      hosts:"]
+            lines += [f"        {h['name']}: {{}}" for h in members]
     INVENTORY.parent.mkdir(parents=True, exist_ok=True)
     INVENTORY.write_text("\n".join(lines) + "\n")
 
@@ -569,6 +604,10 @@ def up(
     t0 = time.monotonic()
     net.setup_lab_net()
     services.start()
+    try:
+        wheels.ensure(log)
+    except wheels.WheelError as exc:
+        raise LabError(str(exc)) from None
     write_ssh_config(wanted)
     for i, host in enumerate(wanted, start=1):
         net.setup_host_net(host["name"], i)

@@ -29,6 +29,7 @@ from gpufleet.lab.net import LabError
 
 APT_PROXY_PORT = 3142
 WHEEL_PORT = 3141
+HF_MIRROR_PORT = 3143
 WHEEL_DIR = Path("/var/lib/gpufleet-lab/wheels")
 SERVICE_DIR = Path("/var/lib/gpufleet-lab/services")
 APT_CACHE_DIR = Path("/var/cache/gpufleet-lab/apt-cacher-ng")
@@ -48,6 +49,10 @@ def wheel_index_url() -> str:
 def wheel_links_url() -> str:
     """HTML directory listing for ``pip install --find-links``."""
     return f"http://{controller_address()}:{WHEEL_PORT}/wheels/"
+
+
+def hf_mirror_url() -> str:
+    return f"http://{controller_address()}:{HF_MIRROR_PORT}"
 
 
 def apt_proxy_url() -> str:
@@ -167,11 +172,14 @@ def _commands() -> dict[str, list[str]]:
             f"Remap-debrep=file:deb_mirror*.gz /debian ; {debian_mirror().rstrip('/')}/",
         ],
         "wheels": [sys.executable, "-m", "gpufleet.lab.services", "serve-wheels", ctrl],
+        "hf-mirror": [sys.executable, "-m", "gpufleet.lab.hfmirror", "--host", ctrl,
+                      "--port", str(HF_MIRROR_PORT)],
     }
 
 
-PORTS = {"apt-proxy": APT_PROXY_PORT, "wheels": WHEEL_PORT}
-MARKERS = {"apt-proxy": "apt-cacher-ng", "wheels": "serve-wheels"}  # in each command line
+PORTS = {"apt-proxy": APT_PROXY_PORT, "wheels": WHEEL_PORT, "hf-mirror": HF_MIRROR_PORT}
+MARKERS = {"apt-proxy": "apt-cacher-ng", "wheels": "serve-wheels",
+           "hf-mirror": "gpufleet.lab.hfmirror"}  # in each command line
 
 
 def pid_alive(pid: int, marker: str = "") -> bool:

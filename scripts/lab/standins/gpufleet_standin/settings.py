@@ -200,11 +200,13 @@ def load_hw(env: dict) -> dict:
         hw = json.loads(path.read_text())
     except (OSError, ValueError):
         return {"gpus": [], "arch": None}
+    # hwsim writes one shared GPU spec (`gpu`) and per-device entries (`gpus`); a raw
+    # profile has only the spec and `bus_ids`.
+    spec = hw.get("gpu") if isinstance(hw.get("gpu"), dict) else {}
     gpus = hw.get("gpus")
-    if gpus is None and isinstance(hw.get("gpu"), dict):  # a raw profile: one GPU spec
-        spec = hw["gpu"]
-        gpus = [{"index": i, "name": spec.get("name"), "memory_mib": spec.get("memory_mib")}
-                for i in range(len(hw.get("bus_ids") or []))]
+    if gpus is None:
+        gpus = [{"index": i} for i in range(len(hw.get("bus_ids") or []))]
+    gpus = [{"name": spec.get("name"), "memory_mib": spec.get("memory_mib"), **g} for g in gpus]
     arch = hw.get("arch") or (hw.get("gpu") or {}).get("architecture") or ""
     return {**hw, "gpus": gpus or [], "arch": str(arch).lower() or None}
 

@@ -1,0 +1,38 @@
+"""Filters gpufleet's templates use: argv and environment in systemd's own syntax."""
+
+from __future__ import annotations
+
+import re
+
+_SAFE = re.compile(r"^[A-Za-z0-9_@%+=:,./-]+$")
+
+
+def systemd_word(word: str) -> str:
+    """One argument for ExecStart=: specifiers (%) and variables ($) escaped, quoted when
+    needed, with C-style escapes inside double quotes (systemd.syntax)."""
+    word = str(word).replace("%", "%%").replace("$", "$$")
+    if word and _SAFE.match(word):
+        return word
+    escaped = word.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    return f'"{escaped}"'
+
+
+def systemd_argv(argv: list) -> str:
+    """The argv list as an ExecStart= command line that systemd splits back into argv."""
+    return " ".join(systemd_word(w) for w in argv)
+
+
+def env_file_line(key: str, value: object) -> str:
+    """KEY="value" for an EnvironmentFile= (double-quoted, backslash escapes)."""
+    if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", str(key)):
+        raise ValueError(f"not an environment variable name: {key!r}")
+    text = str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    return f'{key}="{text}"'
+
+
+class FilterModule:
+    def filters(self):
+        return {
+            "gpufleet_systemd_argv": systemd_argv,
+            "gpufleet_env_line": env_file_line,
+        }

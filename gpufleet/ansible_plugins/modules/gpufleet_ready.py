@@ -1,0 +1,130 @@
+"""Ansible module gpufleet_ready: wait until a gpufleet unit really serves."""
+
+from __future__ import annotations
+
+DOCUMENTATION = r"""
+module: gpufleet_ready
+short_description: Wait until a unit's process answers its health endpoint and generates
+description:
+  - Polls the health URL until it answers 200, then (when given) sends one real one-token
+    generation. Fails at once, with the unit's state and the last journal lines, when the
+    unit is failed or inactive (a crash loop is not waited out), and after I(timeout) seconds.
+  - Read-only; safe in check mode (it reports what it would wait for).
+options:
+  unit:
+    description: systemd unit of the process.
+    type: str
+    required: true
+  url:
+    description: Health URL (200 when up).
+    type: str
+    required: true
+  generate_url:
+    description: OpenAI /v1/completions URL (POST one token) or SGLang /health_generate (GET).
+    type: str
+  served_name:
+    description: Model name for the generation request.
+    type: str
+  timeout:
+    description: Seconds to wait in all.
+    type: int
+    default: 600
+  interval:
+    description: Seconds between probes.
+    type: float
+    default: 2
+  journal_lines:
+    description: Journal lines returned on failure.
+    type: int
+    default: 40
+"""
+
+RETURN = r"""
+elapsed:
+  description: Seconds until ready.
+  type: float
+  returned: success
+"""
+
+import json
+import subprocess
+import time
+import urllib.error
+import urllib.request
+
+from ansible.module_utils.basic import AnsibleModule
+
+
+def unit_state(unit):
+    out = subprocess.run(
+        ["systemctl", "show", "-p", "ActiveState,SubState,NRestarts,Result", unit],
+        capture_output=True, text=True, check=False).stdout
+    return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+
+
+def journal(unit, lines):
+    return subprocess.run(
+        ["journalctl", "-u", unit, "-n", str(lines), "--no-pager", "-o", "cat"],
+        capture_output=True, text=True, check=False).stdout
+
+
+def probe(url, body=None, timeout=10.0):
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, ""
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read(300).decode(errors="replace")
+    except (OSError, ValueError) as exc:
+        return None, str(exc)
+
+
+def main():
+    module = AnsibleModule(
+        argument_spec={
+            "unit": {"type": "str", "required": True},
+            "url": {"type": "str", "required": True},
+            "generate_url": {"type": "str"},
+            "served_name": {"type": "str"},
+            "timeout": {"type": "int", "default": 600},
+            "interval": {"type": "float", "default": 2},
+            "journal_lines": {"type": "int", "default": 40},
+        },
+        supports_check_mode=True,
+    )
+    p = module.params
+    if module.check_mode:
+        module.exit_json(changed=False, msg=f"would wait for {p['unit']} at {p['url']}")
+    start = time.monotonic()
+    deadline = start + p["timeout"]
+    stage, url, body = "health", p["url"], None
+    last = ""
+    restarts = unit_state(p["unit"]).get("NRestarts", "0")
+    while True:
+        state = unit_state(p["unit"])
+        crashed = state.get("NRestarts", "0") != restarts
+        if crashed or state.get("ActiveState") in ("failed", "inactive"):
+            what = "crashed and was restarted by systemd" if crashed else \
+                f"{state.get('ActiveState')} ({state.get('Result')})"
+            module.fail_json(
+                msg=f"{p['unit']} {what} while waiting for {stage}",
+                unit_state=state, journal=journal(p["unit"], p["journal_lines"]))
+        status, last = probe(url, body)
+        if status == 200:
+            if stage == "generate" or not p["generate_url"]:
+                module.exit_json(changed=False, elapsed=round(time.monotonic() - start, 1))
+            stage, url = "generate", p["generate_url"]
+            if not url.endswith("/health_generate"):
+                body = {"model": p["served_name"], "prompt": "ping", "max_tokens": 1}
+            continue
+        if time.monotonic() > deadline:
+            module.fail_json(
+                msg=f"{p['unit']} did not answer {stage} at {url} within {p['timeout']} s "
+                    f"(last: {status or last})",
+                unit_state=state, journal=journal(p["unit"], p["journal_lines"]))
+        time.sleep(p["interval"])
+
+
+if __name__ == "__main__":
+    main()

@@ -334,7 +334,7 @@ def check_image(s: Smoke, multimodal: bool = False, image_limit: int | None = No
 
 def check_clear_thinking(s: Smoke, **_) -> str:
     status, _text = s.http("GET", "/_lab/last_prompt")
-    if status == 404:
+    if status in (404, 405):  # no such route (a router answers 405)
         return "skip: not checkable on a real engine (no /_lab/last_prompt)"
     first = s.chat(READY).choices[0].message
     earlier = _reasoning(first)
@@ -439,9 +439,11 @@ def render_table(checks: list[Check]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m gpufleet.smoke", description=__doc__.split(
         "\n\n")[0])
-    p.add_argument("--url", required=True, help="the router or worker URL (…/v1)")
-    p.add_argument("--model", required=True, help="the served model name")
-    p.add_argument("--engine", required=True, choices=ENGINES)
+    p.add_argument("--plan", help="a `fab plan --format json` file ('-' = stdin): takes the "
+                   "endpoint, model, engine and image options from it")
+    p.add_argument("--url", help="the router or worker URL (…/v1)")
+    p.add_argument("--model", help="the served model name")
+    p.add_argument("--engine", choices=ENGINES)
     p.add_argument("--api-key-file", help="file holding the API key (never printed)")
     p.add_argument("--multimodal", action="store_true", help="the model takes images")
     p.add_argument("--image-limit", type=int, help="images per prompt the engine allows")
@@ -451,6 +453,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", action="append", choices=list(CHECKS), help="run these checks")
     p.add_argument("--json", action="store_true", help="print the checks as JSON")
     args = p.parse_args(argv)
+    if args.plan:
+        with (sys.stdin if args.plan == "-" else open(args.plan)) as fh:
+            opts = options_from_plan(json.load(fh))
+        args.url = args.url or opts["base_url"]
+        args.model = args.model or opts["model"]
+        args.engine = args.engine or opts["engine"]
+        args.multimodal = args.multimodal or opts["multimodal"]
+        args.image_limit = args.image_limit or opts["image_limit"]
+    missing = [f"--{n}" for n in ("url", "model", "engine") if not getattr(args, n)]
+    if missing:
+        p.error(f"{', '.join(missing)} required (or --plan)")
     key = None
     if args.api_key_file:
         try:

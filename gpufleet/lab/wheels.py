@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from importlib import metadata
 from pathlib import Path
 
 from gpufleet import catalog
@@ -48,10 +49,11 @@ def ensure(log=print) -> None:
     _run([py, str(STANDINS), "--out", str(WHEEL_DIR), "--flashinfer", floor], "stand-ins")
     _run([py, str(STANDINS), "--out", str(WHEEL_DIR), "--flashinfer", FAULT_FLASHINFER],
          "stand-ins (fault FlashInfer)")
-    routers = [f"{name}=={version}" for e in ("vllm", "sglang")
+    # the real routers, and the cache role's huggingface_hub (the controller's pin)
+    fetched = [f"{name}=={version}" for e in ("vllm", "sglang")
                for name, version in engines[e].packages.items() if name.endswith("-router")]
-    missing = [r for r in routers if not _have(*r.split("=="))
-               or not _have("setproctitle", "*")]
+    fetched.append(f"huggingface-hub=={metadata.version('huggingface-hub')}")
+    missing = [r for r in fetched if not _have(*r.split("=="))]
     if missing:
         log(f"fetching {', '.join(missing)} from PyPI into {WHEEL_DIR}")
         # with their dependencies; the controller is the hosts' platform (bookworm, 3.11)

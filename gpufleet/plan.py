@@ -78,12 +78,14 @@ class Process:
     order: int
     readiness: dict
     node_rank: int = 0
+    bind: str = "0.0.0.0"  # address the process listens on (see _bind)
     args: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def to_json(self) -> dict:
         out = asdict(self)
         out.pop("args")
         out.pop("address")
+        out.pop("bind")
         return out
 
     @property
@@ -158,10 +160,11 @@ def _fmt(value: Any, ctx: dict) -> Any:
 
 
 def _ns(proc: Process | None, viewer: Process) -> SimpleNamespace | None:
-    """A process as seen from viewer: same host -> loopback address."""
+    """A process as seen from viewer: same host -> loopback, unless it binds elsewhere."""
     if proc is None:
         return None
-    address = "127.0.0.1" if proc.host == viewer.host else proc.address
+    same = proc.host == viewer.host and proc.bind in ("0.0.0.0", "127.0.0.1")
+    address = "127.0.0.1" if same else proc.address
     port = proc.ports.get("http") or proc.ports.get("client")
     return SimpleNamespace(
         address=address,
@@ -311,7 +314,23 @@ def _place(target, topology, hardware, inventory, ov: Overrides) -> list[Process
                 readiness={}, node_rank=rank))
     for p in processes:
         p.unit = f"gpufleet-{p.name}.service"
+        p.bind = _bind(p, processes)
     return processes
+
+
+def _bind(p: Process, processes: list[Process]) -> str:
+    """Where a process listens: clients' entry points on all addresses; an engine on
+    loopback when everything that talks to it shares its host, else on the host's
+    internal address (vLLM's security guide: keep engine ports off other networks)."""
+    routers = [q for q in processes if q.role == "router"]
+    if p.role == "router" or (p.role == "worker" and not routers):
+        return "0.0.0.0"
+    # its clients: the routers, and the other pool of a prefill/decode pair (the KV
+    # handshake and SGLang's bootstrap reach the prefill at the address the router has)
+    peers = routers + [q for q in processes if q.role in ENGINE_ROLES and q is not p]
+    if all(q.host == p.host for q in peers):
+        return "127.0.0.1"
+    return p.address
 
 
 def _cache(ov: Overrides, model, draft, revision: str, catalog) -> dict:
@@ -340,7 +359,7 @@ def _render(processes, roles, target, model, draft, engine, catalog, cache, ov) 
         args, env = _role_settings(roles, p.role)
         ctx = {
             "self": SimpleNamespace(address=p.address, ports=SimpleNamespace(**p.ports),
-                                    node_rank=p.node_rank),
+                                    node_rank=p.node_rank, bind=p.bind),
             "model": model,
             "draft": draft,
             "tp": target.tp,
@@ -371,7 +390,7 @@ def _render(processes, roles, target, model, draft, engine, catalog, cache, ov) 
 
 
 def _readiness(p: Process, target, model) -> dict:
-    host = "127.0.0.1"
+    host = "127.0.0.1" if p.bind == "0.0.0.0" else p.bind
     if p.role == "etcd":
         return {"url": f"http://{p.address}:{p.ports['client']}/health",
                 "timeout_s": ROUTER_TIMEOUT_S}

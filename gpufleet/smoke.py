@@ -283,6 +283,8 @@ def check_json_schema(s: Smoke, **_) -> str:
 def check_messages(s: Smoke, **_) -> str:
     if s.engine != "sglang":
         return "skip: /v1/messages is an SGLang promise (004)"
+    if not getattr(s, "anthropic", True):
+        return "skip: sglang-router 0.3.2 does not route /v1/messages (the plan warns)"
     status, text = s.http("POST", "/v1/messages", {"model": s.model, "max_tokens": 512,
                                                    "messages": READY})
     if status != 200:
@@ -392,11 +394,13 @@ def run_smoke(base_url: str, model: str, engine: str, *, api_key: str | None = N
               multimodal: bool = False, image_limit: int | None = None,
               reasoning_parser: bool = True, tool_parser: bool = True, timeout: float = 60,
               only: list[str] | None = None, ready_max_tokens: int = 64,
-              ready_effort: str | None = "low") -> list[Check]:
-    """Run the checks (all, or `only` these) against base_url (with or without /v1)."""
+              ready_effort: str | None = "low", anthropic: bool | None = None) -> list[Check]:
+    """Run the checks (all, or `only` these) against base_url (with or without /v1).
+    `anthropic`: the endpoint serves /v1/messages (default: SGLang servers do)."""
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, not {engine!r}")
     s = Smoke(base_url, model, engine, api_key, timeout)
+    s.anthropic = engine == "sglang" if anthropic is None else anthropic
     opts = dict(multimodal=multimodal, image_limit=image_limit,
                 reasoning_parser=reasoning_parser, tool_parser=tool_parser,
                 ready_max_tokens=ready_max_tokens, ready_effort=ready_effort)
@@ -422,9 +426,11 @@ def options_from_plan(plan: dict) -> dict:
     GLM-5.3 targets all reason and call tools; 002 promises one image per prompt)."""
     model = plan["model"]
     multimodal = "image" in (model.get("modalities") or [])
+    routed = any(p["role"] == "router" for p in plan.get("processes", []))
     return {"base_url": plan["endpoint"], "model": model["served_name"],
             "engine": plan["engine"], "multimodal": multimodal,
-            "image_limit": 1 if multimodal else None}
+            "image_limit": 1 if multimodal else None,
+            "anthropic": plan["engine"] == "sglang" and not routed}
 
 
 def render_table(checks: list[Check]) -> str:
@@ -461,6 +467,9 @@ def main(argv: list[str] | None = None) -> int:
         args.engine = args.engine or opts["engine"]
         args.multimodal = args.multimodal or opts["multimodal"]
         args.image_limit = args.image_limit or opts["image_limit"]
+        anthropic = opts["anthropic"]
+    else:
+        anthropic = None
     missing = [f"--{n}" for n in ("url", "model", "engine") if not getattr(args, n)]
     if missing:
         p.error(f"{', '.join(missing)} required (or --plan)")
@@ -475,7 +484,7 @@ def main(argv: list[str] | None = None) -> int:
                        multimodal=args.multimodal, image_limit=args.image_limit,
                        reasoning_parser=not args.no_reasoning_parser,
                        tool_parser=not args.no_tool_parser, timeout=args.timeout,
-                       only=args.only)
+                       only=args.only, anthropic=anthropic)
     failed = [c for c in checks if not c.ok]
     if args.json:
         print(json.dumps({"ok": not failed, "checks": [

@@ -24,6 +24,7 @@ TRANSLATED = {"--no-disable-hybrid-kv-cache-manager": "--enable-hybrid-kv-cache-
 # What the plan adds to the seed, and why.
 IMPLIED_FLAGS = {
     "--port",                     # explicit, so the health checks and router agree on it
+    "--host",                     # engines behind a same-host router listen on loopback only
     "--tool-call-parser",         # parsers on every target that serves chat (the issue)
     "--reasoning-parser",
     "--enable-auto-tool-choice",

@@ -75,6 +75,12 @@ def flash(lab):
 
 
 @pytest.fixture(scope="module")
+def flash_unlimited(lab):
+    """gb200-tray without the image limit the planner sets."""
+    return lab(plan_argv("gb200-tray", lab.venv, drop=("--limit-mm-per-prompt",)), GB200)
+
+
+@pytest.fixture(scope="module")
 def flash_limited(lab):
     """gb200-tray plus the image limit and an API key."""
     return lab(plan_argv("gb200-tray", lab.venv, add=(*LIMIT, "--api-key", "sk-lab-secret")),
@@ -180,8 +186,8 @@ def test_one_image_and_the_limit(flash_limited):
     assert "one image answered" in check.detail and "2 images refused (400)" in check.detail
 
 
-def test_second_image_accepted_without_the_limit_flag(flash):
-    check, = smoke.run_smoke(flash.url, FLASH, "vllm", multimodal=True, image_limit=1,
+def test_second_image_accepted_without_the_limit_flag(flash_unlimited):
+    check, = smoke.run_smoke(flash_unlimited.url, FLASH, "vllm", multimodal=True, image_limit=1,
                              only=["image"], timeout=20)
     assert not check.ok
     assert check.detail == "second image accepted: set --limit-mm-per-prompt"
@@ -282,6 +288,6 @@ def test_options_from_plan():
     plan["model"].setdefault("modalities", modalities("gb200-tray"))
     opts = smoke.options_from_plan(plan)
     assert opts == {"base_url": "http://workers-1:8000/v1", "model": FLASH, "engine": "vllm",
-                    "multimodal": True, "image_limit": 1}
+                    "multimodal": True, "image_limit": 1, "anthropic": False}
     with pytest.raises(ValueError, match="engine must be one of"):
         smoke.run_smoke("http://x/v1", FLASH, "tgi")

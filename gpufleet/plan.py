@@ -424,6 +424,7 @@ def _endpoint(processes: list[Process], model) -> str:
 
 def _host_requirements(plan: Plan, inventory: inv_mod.Inventory) -> dict[str, dict]:
     hw, engine, target = plan.hardware, plan.engine, plan.target
+    plan_catalog = cat.load()
     deployment_hosts = sorted({p.host for p in plan.processes})
     out: dict[str, dict] = {}
     multi_node_engine = len({p.host for p in plan.processes if p.role in ENGINE_ROLES}) > 1
@@ -444,6 +445,10 @@ def _host_requirements(plan: Plan, inventory: inv_mod.Inventory) -> dict[str, di
             "cache": {"path": plan.cache["path"], "min_free_gib": plan.cache["min_free_gib"]},
             "ucx_env": ucx,
         }
+        engines_here = [plan_catalog.engines["etcd"] if p.role == "etcd" else engine
+                        for p in procs]
+        req["system_packages"] = sorted({x for e in engines_here for x in e.system_packages})
+        req["disable_services"] = sorted({x for e in engines_here for x in e.disable_services})
         if gpus:
             req["gpu"] = {
                 "vendor": hw.vendor, "product": hw.product, "arch": hw.arch,

@@ -63,6 +63,8 @@ class Engine(_Strict):
     packages: dict[str, str]
     programs: dict[str, list[str]]
     flashinfer_floor: str | None = None
+    system_packages: list[str] = Field(default_factory=list)  # from the OS (apt)
+    disable_services: list[str] = Field(default_factory=list)  # what those packages start
 
 
 class TopologyProcess(_Strict):

@@ -1,8 +1,8 @@
 """gpufleet operator tasks: `fab --list` shows them, `fab --help TASK` explains one.
 
 The planner decides, Ansible does host work; these tasks connect the two with
-useful output and exit codes: 0 ok, 1 a deployment step failed, 2 bad input
-(caught before any host was touched).
+useful output and exit codes: 0 ok, 1 a deployment step failed or something is
+unhealthy, 2 bad input (caught before any host was touched).
 """
 
 from __future__ import annotations
@@ -18,19 +18,69 @@ from invoke import Collection, Exit, task
 from gpufleet import cli
 from gpufleet.inventory import InventoryError
 from gpufleet.lab.tasks import lab
-from gpufleet.plan import PlanError
+from gpufleet.plan import ENGINE_ROLES, PlanError
 
 ROOT = Path(__file__).resolve().parent
 DEFAULT_INVENTORY = "inventories/lab"
-# The deploy's plays in order (site.yml imports the ones that exist).
-PLAYS = ["preflight.yml", "prepare.yml", "cache.yml", "serve.yml", "smoke.yml", "health.yml"]
+ROLES = ["etcd", *ENGINE_ROLES, "router"]
+
+PLAN_HELP = {
+    "target": "target name (fab targets); default: gpufleet_target from the inventory",
+    "inventory": f"Ansible inventory (default {DEFAULT_INVENTORY})",
+    "with_": "options to layer on, comma separated (hicache,cp,layer-split,dflash2,fp8-kv)",
+    "set_": "override ROLE:--flag=value or ROLE:ENV=value (ROLE: engines, worker, prefill, "
+            "decode, router, etcd); repeatable",
+    "unset": "drop ROLE:--flag or ROLE:ENV; repeatable",
+}
 
 
 def _plan(target, inventory, with_="", set_=None, unset=None):
+    if inventory == DEFAULT_INVENTORY and not (ROOT / inventory / "hosts.yml").exists():
+        raise Exit("gpufleet: the lab inventory does not exist yet. Fix: bring the lab up "
+                   "first (fab lab.up) or pass -i with your inventory", code=2)
     try:
         return cli.build(target, inventory, with_, set_, unset)
     except (PlanError, InventoryError) as exc:
         raise Exit(f"gpufleet: refusing, nothing was changed:\n{exc}", code=2) from None
+
+
+def _ansible(playbook, plan_obj, inventory, extra=None, capture=False, check=False):
+    """Run a playbook with the plan; with capture, return Ansible's JSON result."""
+    env = {**os.environ, "ANSIBLE_CONFIG": str(ROOT / "ansible.cfg")}
+    if capture:
+        env.update(ANSIBLE_STDOUT_CALLBACK="json", ANSIBLE_LOAD_CALLBACK_PLUGINS="1")
+    extra_vars = {"gpufleet_plan_json": plan_obj.to_json(), **(extra or {})}
+    cmd = [str(Path(sys.executable).with_name("ansible-playbook")), "-i", inventory,
+           str(ROOT / playbook), "-e", json.dumps(extra_vars)]
+    if check:
+        cmd += ["--check", "--diff"]
+    result = subprocess.run(cmd, env=env, cwd=ROOT, check=False,
+                            capture_output=capture, text=True)
+    if capture:
+        try:
+            return result.returncode, json.loads(result.stdout)
+        except ValueError:
+            raise Exit(f"gpufleet: {playbook} failed: {result.stderr.strip()[-800:]}",
+                       code=1) from None
+    if result.returncode != 0:
+        raise Exit(f"gpufleet: {playbook} failed (exit {result.returncode}); "
+                   "the output above names the host and the step", code=1)
+    return result.returncode, None
+
+
+def _results(report: dict, register_task: str) -> dict[str, dict]:
+    """host -> result of the named task from Ansible's JSON callback output."""
+    out: dict[str, dict] = {}
+    for play in report.get("plays", []):
+        for t in play.get("tasks", []):
+            if t["task"]["name"] == register_task:
+                out.update(t["hosts"])
+    return out
+
+
+def _unreachable(report: dict) -> list[str]:
+    stats = report.get("stats", {})
+    return [h for h, s in stats.items() if s.get("unreachable") or s.get("failures")]
 
 
 @task(help={"format": "text (default) or json"})
@@ -45,64 +95,163 @@ def targets(c, format="text"):
                        for r in rows])
 
 
-@task(
-    iterable=["set_", "unset"],
-    help={
-        "target": "target name (fab targets); default: gpufleet_target from the inventory",
-        "inventory": "Ansible inventory; without it, the target's reference topology "
-                     "with placeholder hosts",
-        "with_": "options to layer on, comma separated (hicache,cp,layer-split,dflash2,fp8-kv)",
-        "set_": "override ROLE:--flag=value or ROLE:ENV=value (ROLE: engines, worker, "
-                "prefill, decode, router, etcd); repeatable",
-        "unset": "drop ROLE:--flag or ROLE:ENV; repeatable",
-        "format": "text (default) or json",
-    },
-)
+@task(iterable=["set_", "unset"], help={**PLAN_HELP, "format": "text (default) or json",
+                                         "inventory": "Ansible inventory; without it, the "
+                                         "target's reference topology with placeholder hosts"})
 def plan(c, target=None, inventory=None, with_="", set_=None, unset=None, format="text"):
     """Show every process a target runs: host, argv, environment, GPUs, ports, units."""
-    p = _plan(target, inventory, with_, set_, unset)
+    try:
+        p = cli.build(target, inventory, with_, set_, unset)
+    except (PlanError, InventoryError) as exc:
+        raise Exit(f"gpufleet: refusing, nothing was changed:\n{exc}", code=2) from None
     if format == "json":
         print(cli.plan_json(p))
     else:
         cli.plan_text(p)
 
 
-def _playbook(c, playbook, plan_obj, inventory, extra=None):
-    env = {**os.environ, "ANSIBLE_CONFIG": str(ROOT / "ansible.cfg")}
-    extra_vars = {"gpufleet_plan_json": plan_obj.to_json(), **(extra or {})}
-    cmd = [str(Path(sys.executable).with_name("ansible-playbook")), "-i", inventory,
-           str(ROOT / playbook), "-e", json.dumps(extra_vars)]
-    result = subprocess.run(cmd, env=env, cwd=ROOT, check=False)
-    if result.returncode != 0:
-        raise Exit(f"gpufleet: {playbook} failed (exit {result.returncode}); "
-                   "the output above names the host and the step", code=1)
-
-
-@task(
-    iterable=["set_", "unset"],
-    help={
-        "target": "target name (fab targets)",
-        "inventory": f"Ansible inventory (default {DEFAULT_INVENTORY})",
-        "with_": "options to layer on, comma separated",
-        "set_": "override ROLE:--flag=value or ROLE:ENV=value; repeatable",
-        "unset": "drop ROLE:--flag or ROLE:ENV; repeatable",
-    },
-)
-def deploy(c, target=None, inventory=DEFAULT_INVENTORY, with_="", set_=None, unset=None):
-    """Deploy a target: validate the plan, then run site.yml against the inventory."""
-    if inventory == DEFAULT_INVENTORY and not (ROOT / inventory / "hosts.yml").exists():
-        raise Exit("gpufleet: the lab inventory does not exist yet. Fix: bring the lab up "
-                   "first (fab lab.up) or pass -i with your inventory", code=2)
+@task(iterable=["set_", "unset"],
+      help={**PLAN_HELP, "check": "dry run: ansible --check --diff, changes nothing"})
+def deploy(c, target=None, inventory=DEFAULT_INVENTORY, with_="", set_=None, unset=None,
+           check=False):
+    """Deploy: preflight, prepare, cache, serve, smoke test, health timer; then a summary."""
     p = _plan(target, inventory, with_, set_, unset)
     print(f"gpufleet: deploying {p.target.name} to {inventory} "
           f"({len(p.processes)} processes on {len(p.hosts)} host(s))")
-    _playbook(c, "site.yml", p, inventory)
-    missing = [name for name in PLAYS if not (ROOT / "playbooks" / name).exists()]
-    if missing:
-        raise Exit(f"gpufleet: preflight passed for {p.target.name}; the steps "
-                   f"{', '.join(missing)} are not part of this release yet, so nothing "
-                   "was installed or started", code=1)
+    _ansible("site.yml", p, inventory, check=check)
+    if check:
+        print("gpufleet: check mode: nothing was changed")
+        return
+    print(f"\ngpufleet: {p.target.name} is serving {p.model.served_name}\n")
+    cli.print_table([["process", "host", "unit", "gpus", "ports"]]
+                    + [[x.name, x.host, x.unit, ",".join(map(str, x.gpus)) or "-",
+                        " ".join(f"{k}={v}" for k, v in x.ports.items())]
+                       for x in sorted(p.processes, key=lambda x: (x.order, x.name))])
+    print(f"\nendpoint: {p.endpoint}\ntry it:   curl {p.endpoint}/chat/completions "
+          "-H 'Content-Type: application/json' -d '{\"model\": \"" + p.model.served_name
+          + "\", \"messages\": [{\"role\": \"user\", \"content\": \"Hello\"}]}'")
+    for w in p.warnings:
+        print(f"warning:  {w}")
 
 
-ns = Collection(targets, plan, deploy)
+@task(help={"target": PLAN_HELP["target"], "inventory": PLAN_HELP["inventory"],
+            "check": "dry run: report what would be downloaded"})
+def cache(c, target=None, inventory=DEFAULT_INVENTORY, check=False):
+    """Put the target's checkpoint on the shared cache once, verified (playbooks/cache.yml)."""
+    p = _plan(target, inventory)
+    _ansible("playbooks/preflight.yml", p, inventory)
+    _ansible("playbooks/cache.yml", p, inventory, check=check)
+
+
+@task(help={"target": PLAN_HELP["target"], "inventory": PLAN_HELP["inventory"]})
+def smoke(c, target=None, inventory=DEFAULT_INVENTORY):
+    """Run the smoke test against the deployment's endpoint (the official openai client)."""
+    p = _plan(target, inventory)
+    _ansible("playbooks/preflight.yml", p, inventory)
+    _ansible("playbooks/smoke.yml", p, inventory)
+
+
+def _status(p, inventory, roles=None, journal=0):
+    extra = {"status_journal_lines": journal}
+    if roles:
+        extra["status_roles"] = roles
+    _rc, report = _ansible("playbooks/status.yml", p, inventory, extra, capture=True)
+    per_host = _results(report, "Status | Units")
+    return per_host, _unreachable(report)
+
+
+def _uptime(seconds: int) -> str:
+    if not seconds:
+        return "-"
+    h, rest = divmod(seconds, 3600)
+    return f"{h}h{rest // 60:02d}m" if h else f"{rest // 60}m{rest % 60:02d}s"
+
+
+@task(help={"target": PLAN_HELP["target"], "inventory": PLAN_HELP["inventory"],
+            "format": "text (default) or json"})
+def status(c, target=None, inventory=DEFAULT_INVENTORY, format="text"):
+    """Every unit of the deployment on every host: state, uptime, restarts, ready."""
+    p = _plan(target, inventory)
+    per_host, bad = _status(p, inventory)
+    rows = [{"host": h, **u} for h, r in sorted(per_host.items()) for u in r.get("units", [])]
+    if format == "json":
+        print(json.dumps({"units": rows, "unreachable": bad}, indent=2))
+    else:
+        cli.print_table([["host", "unit", "role", "state", "uptime", "restarts", "ready"]]
+                        + [[r["host"], r["unit"], r["role"], f"{r['active']}/{r['sub']}",
+                            _uptime(r["uptime_s"]), str(r["restarts"]),
+                            {True: "yes", False: "NO", None: "-"}[r["ready"]]] for r in rows])
+        for h in bad:
+            print(f"{h}: unreachable or failed (see ansible output with -v)")
+    if bad or any(r["active"] != "active" or r["ready"] is False for r in rows):
+        raise Exit(code=1)
+
+
+@task(help={"role": "only this role's units (worker, prefill, decode, router, etcd)",
+            "n": "journal lines per unit (default 100)",
+            "target": PLAN_HELP["target"], "inventory": PLAN_HELP["inventory"]})
+def logs(c, role=None, n=100, target=None, inventory=DEFAULT_INVENTORY):
+    """The last journal lines of the deployment's units, host by host."""
+    if role and role not in ROLES:
+        raise Exit(f"gpufleet: unknown role {role!r}; choose from {', '.join(ROLES)}", code=2)
+    p = _plan(target, inventory)
+    per_host, bad = _status(p, inventory, [role] if role else None, int(n))
+    for host, result in sorted(per_host.items()):
+        for u in result.get("units", []):
+            print(f"==> {host} {u['unit']} ({u['active']}) <==")
+            print(u.get("journal", "").rstrip())
+    if bad:
+        raise Exit(f"gpufleet: could not read logs from {', '.join(bad)}", code=1)
+
+
+@task(help={"role": "only this role's units", "target": PLAN_HELP["target"],
+            "inventory": PLAN_HELP["inventory"]})
+def restart(c, role=None, target=None, inventory=DEFAULT_INVENTORY):
+    """Rolling restart: one host at a time, each unit waited for until it serves again."""
+    if role and role not in ROLES:
+        raise Exit(f"gpufleet: unknown role {role!r}; choose from {', '.join(ROLES)}", code=2)
+    p = _plan(target, inventory)
+    _ansible("playbooks/restart.yml", p, inventory,
+             {"restart_roles": [role]} if role else None)
+
+
+@task(help={"target": PLAN_HELP["target"], "inventory": PLAN_HELP["inventory"],
+            "purge_cache": "also delete the checkpoint cache (kept by default)"})
+def teardown(c, target=None, inventory=DEFAULT_INVENTORY, purge_cache=False):
+    """Stop and remove everything gpufleet installed on the hosts; keeps the cache."""
+    p = _plan(target, inventory)
+    _ansible("playbooks/teardown.yml", p, inventory, {"teardown_cache": bool(purge_cache)})
+
+
+@task(help={"target": PLAN_HELP["target"], "inventory": PLAN_HELP["inventory"],
+            "format": "text (default) or json"})
+def health(c, target=None, inventory=DEFAULT_INVENTORY, format="text"):
+    """Run the health checker on every host now, in parallel; non-zero if anything is sick."""
+    p = _plan(target, inventory)
+    _rc, report = _ansible("playbooks/health_report.yml", p, inventory, capture=True)
+    results = {}
+    for host, r in _results(report, "Health report | Run the checker").items():
+        try:
+            results[host] = json.loads(r.get("stdout") or "")
+        except ValueError:
+            results[host] = {"healthy": False, "checks": [], "error": r.get("msg", "no output")}
+    bad = [h for h in _unreachable(report) if h not in results]
+    if format == "json":
+        print(json.dumps({"hosts": results, "unreachable": bad}, indent=2))
+    else:
+        rows = [["host", "check", "unit", "status", "detail"]]
+        for host, r in sorted(results.items()):
+            for ch in r.get("checks", []):
+                rows.append([host, ch["check"], ch.get("unit") or "-", ch["status"],
+                             str(ch.get("detail", ""))[:70]])
+            if r.get("error"):
+                rows.append([host, "checker", "-", "FAIL", r["error"][:70]])
+        cli.print_table(rows)
+        for h in bad:
+            print(f"{h}: unreachable")
+    if bad or not results or not all(r.get("healthy") for r in results.values()):
+        raise Exit(code=1)
+
+
+ns = Collection(targets, plan, deploy, cache, smoke, status, logs, restart, teardown, health)
 ns.add_collection(lab)

@@ -45,9 +45,9 @@ PACKAGES = [
 ]
 # Run in the fresh root (chroot) once; part of the cache key.
 ROOT_SETUP = """set -e
-useradd -m -s /bin/bash -G sudo gpufleet
-echo 'gpufleet ALL=(ALL) NOPASSWD:ALL' > /etc/sudoers.d/gpufleet
-chmod 0440 /etc/sudoers.d/gpufleet
+useradd -m -s /bin/bash -G sudo labadmin
+echo 'labadmin ALL=(ALL) NOPASSWD:ALL' > /etc/sudoers.d/labadmin
+chmod 0440 /etc/sudoers.d/labadmin
 rm -f /etc/ssh/ssh_host_*
 systemctl enable ssh.service
 systemctl mask systemd-firstboot.service apt-daily.timer apt-daily-upgrade.timer \
@@ -102,6 +102,9 @@ WantedBy=sysinit.target
     ),
 }
 DEFAULT_PROFILE = "h200x8"
+# The sudo-enabled login user of every lab host. Not `gpufleet`: that is the service
+# user the deploy creates for the engines, and a lab must not lend it a login shell.
+LOGIN_USER = "labadmin"
 CACHE_DIR = Path("/var/cache/gpufleet-lab")
 STATE_DIR = Path("/var/lib/gpufleet-lab")
 SSH_DIR = STATE_DIR / "ssh"
@@ -295,7 +298,7 @@ def prepare_host(host: dict, all_hosts: list[dict], root: Path, pubkey: str, hw:
     for d in ("upper", "work", "root"):
         (hdir / d).mkdir(parents=True)
     ctrl = services.controller_address()
-    uid, gid = _user_ids(root, "gpufleet")
+    uid, gid = _user_ids(root, LOGIN_USER)
     hosts_lines = [f"127.0.0.1 localhost\n{ctrl} controller gpufleet-controller\n"]
     hosts_lines += [f"{h['address']} {h['name']}\n" for h in all_hosts]
     files: dict[str, tuple[bytes, int]] = {
@@ -321,9 +324,10 @@ def prepare_host(host: dict, all_hosts: list[dict], root: Path, pubkey: str, hw:
         (wants / HW_UNIT).symlink_to(f"/etc/systemd/system/{HW_UNIT}")
     for path, (content, mode) in files.items():
         _put(upper, root, path, content, mode)
-    _put(upper, root, "/home/gpufleet/.ssh/authorized_keys", pubkey.encode(), 0o600, uid, gid)
-    os.chown(upper / "home/gpufleet/.ssh", uid, gid)
-    (upper / "home/gpufleet/.ssh").chmod(0o700)
+    home = f"home/{LOGIN_USER}"
+    _put(upper, root, f"/{home}/.ssh/authorized_keys", pubkey.encode(), 0o600, uid, gid)
+    os.chown(upper / home / ".ssh", uid, gid)
+    (upper / home / ".ssh").chmod(0o700)
     (upper / "root/.ssh").chmod(0o700)
     _mkdirs(upper, root, Path("etc/ssh"))
     subprocess.run(["ssh-keygen", "-A", "-f", str(upper)], check=True, capture_output=True)
@@ -621,6 +625,25 @@ def up(
         f"ssh -F {SSH_CONFIG} {wanted[0]['name']}"
     )
     return wanted
+
+
+def reboot(name: str) -> dict:
+    """Power a lab host off cleanly and boot it again from its own overlay, as a real
+    reboot would: what was installed and enabled on it stays."""
+    check_prereqs()
+    state = load_state()
+    host = next((h for h in state["hosts"] if h["name"] == name), None)
+    if host is None:
+        raise LabError(f"no lab host {name!r}; hosts: "
+                       f"{', '.join(h['name'] for h in state['hosts']) or 'none (lab is down)'}")
+    _kill([host["pid"]], timeout=60)
+    hdir = STATE_DIR / name
+    subprocess.run(["umount", str(hdir / "root")], capture_output=True, check=False)
+    host["pid"] = start_host(host, hdir, ensure_root())
+    save_state(state)
+    wait_ready([host])
+    log(f"{name} rebooted")
+    return host
 
 
 def down() -> None:

@@ -62,7 +62,13 @@ def down(c):
     _guard(lab_hosts.down)
 
 
-@task(help={"host": "lab host name, e.g. lab1", "user": "login user (root or gpufleet)"})
+@task(help={"host": "lab host name, e.g. lab1"})
+def reboot(c, host):
+    """Reboot one lab host (clean power-off, then boot from its own disk again)."""
+    _guard(lab_hosts.reboot, host)
+
+
+@task(help={"host": "lab host name, e.g. lab1", "user": "login user (root or labadmin)"})
 def ssh(c, host, user="root"):
     """Open a shell on a lab host (same as: ssh -F /var/lib/gpufleet-lab/ssh/config HOST)."""
     if not lab_hosts.SSH_CONFIG.exists():
@@ -71,4 +77,4 @@ def ssh(c, host, user="root"):
     os.execvp(cmd[0], cmd)
 
 
-lab = Collection("lab", up, status, down, ssh)
+lab = Collection("lab", up, status, down, reboot, ssh)

@@ -71,10 +71,10 @@ def test_plan_assigns_profiles_in_order_and_repeats_the_last():
     assert {h["profile"] for h in lab_hosts.plan(2, None, None)} == {"h200x8"}
 
 
-def test_hosts_answer_over_ssh_as_root_and_gpufleet(lab):
+def test_hosts_answer_over_ssh_as_root_and_the_login_user(lab):
     for host in lab:
         assert ssh(host["address"], "hostname").stdout.strip() == host["name"]
-        out = ssh(host["address"], "sudo -n id -u", user="gpufleet").stdout.strip()
+        out = ssh(host["address"], "sudo -n id -u", user=lab_hosts.LOGIN_USER).stdout.strip()
         assert out == "0"
 
 

@@ -1,0 +1,92 @@
+"""Ansible module gpufleet_units: state of the plan's units on this host (read-only)."""
+
+from __future__ import annotations
+
+DOCUMENTATION = r"""
+module: gpufleet_units
+short_description: Report the state, uptime, restarts and readiness of gpufleet units
+description:
+  - For each process of the plan on this host, reads systemd's view of its unit and asks
+    its health endpoint (one short request). Changes nothing; safe in check mode.
+options:
+  processes:
+    description: The plan's processes on this host (name, role, unit, readiness).
+    type: list
+    elements: dict
+    required: true
+  journal_lines:
+    description: Also return this many journal lines per unit (0 = none).
+    type: int
+    default: 0
+"""
+
+RETURN = r"""
+units:
+  description: One entry per process with unit, role, active, sub, since, uptime_s,
+    restarts, main_pid, ready (true/false/null when the process has no health URL) and
+    journal (when asked).
+  type: list
+  returned: always
+"""
+
+import subprocess
+import time
+import urllib.error
+import urllib.request
+
+from ansible.module_utils.basic import AnsibleModule
+
+PROPS = "ActiveState,SubState,ActiveEnterTimestampMonotonic,NRestarts,MainPID,LoadState"
+
+
+def show(unit):
+    out = subprocess.run(["systemctl", "show", "-p", PROPS, unit], capture_output=True,
+                         text=True, check=False).stdout
+    return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+
+
+def ready(url):
+    if not url:
+        return None
+    try:
+        with urllib.request.urlopen(url, timeout=3) as resp:
+            return resp.status == 200
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def main():
+    module = AnsibleModule(
+        argument_spec={
+            "processes": {"type": "list", "elements": "dict", "required": True},
+            "journal_lines": {"type": "int", "default": 0},
+        },
+        supports_check_mode=True,
+    )
+    now = time.clock_gettime(time.CLOCK_MONOTONIC)
+    units = []
+    for proc in module.params["processes"]:
+        state = show(proc["unit"])
+        entered = int(state.get("ActiveEnterTimestampMonotonic") or 0) / 1e6
+        active = state.get("ActiveState", "unknown")
+        entry = {
+            "name": proc["name"], "role": proc["role"], "unit": proc["unit"],
+            "loaded": state.get("LoadState") == "loaded",
+            "active": active, "sub": state.get("SubState"),
+            "uptime_s": round(now - entered) if active == "active" and entered else 0,
+            "restarts": int(state.get("NRestarts") or 0),
+            "main_pid": int(state.get("MainPID") or 0),
+            "ready": ready((proc.get("readiness") or {}).get("url")) if active == "active"
+            else False,
+        }
+        if module.params["journal_lines"]:
+            entry["journal"] = subprocess.run(
+                ["journalctl", "-u", proc["unit"], "-n", str(module.params["journal_lines"]),
+                 "--no-pager", "-o", "short-iso"],
+                capture_output=True, text=True, check=False).stdout
+        units.append(entry)
+    module.exit_json(changed=False, units=units)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,160 @@
+"""The main job on the lab: real systemd hosts, real SSH, real routers.
+
+Deploys one target of each family and proves what an operator relies on: the smoke
+test passes through the real router, a re-run changes nothing, one changed flag
+restarts one unit, a missing parser is named, a killed engine comes back, a rebooted
+host comes back, the health timer writes metrics, and teardown leaves nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from gpufleet.lab import hosts as lab_hosts
+
+pytestmark = pytest.mark.lab
+ROOT = Path(__file__).parents[2]
+BIN = Path(sys.executable).parent
+ENV = {**os.environ, "ANSIBLE_CONFIG": str(ROOT / "ansible.cfg"), "NO_COLOR": "1"}
+
+
+def fab(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([str(BIN / "fab"), *args], cwd=ROOT, capture_output=True, text=True,
+                          env=ENV, timeout=900, check=False)
+
+
+def ssh(host: str, command: str) -> str:
+    proc = subprocess.run(lab_hosts.ssh_cmd(host, command), capture_output=True, text=True,
+                          timeout=60, check=False)
+    return proc.stdout
+
+
+def recap(output: str) -> dict[str, dict[str, int]]:
+    """PLAY RECAP counters per host."""
+    out = {}
+    for host, counters in re.findall(r"^(\S+)\s+:\s+(ok=.*)$", output, re.M):
+        out[host] = {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", counters)}
+    return out
+
+
+def units(target: str) -> dict[str, dict]:
+    proc = fab("status", "--target", target, "--format", "json")
+    return {u["unit"]: u for u in json.loads(proc.stdout)["units"]}
+
+
+def deployed(target: str, *extra: str) -> subprocess.CompletedProcess:
+    proc = fab("deploy", "--target", target, *extra)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    return proc
+
+
+def test_vllm_pd_deploys_and_passes_the_smoke_test(lab):
+    proc = deployed("h200-pd-1node")
+    assert "models          ok" in proc.stdout and "tool_call       ok" in proc.stdout
+    assert "endpoint: http://10.213.77.11:8000/v1" in proc.stdout
+    state = units("h200-pd-1node")
+    assert {u["active"] for u in state.values()} == {"active"}
+    assert all(u["ready"] for u in state.values())
+    # the units run what the plan says, as the service user, with pinned env
+    show = ssh("lab1", "systemctl show -p User,LimitMEMLOCK gpufleet-prefill.service")
+    assert "User=gpufleet" in show and "LimitMEMLOCK=infinity" in show
+    env = ssh("lab1", "stat -c '%a %U %G' /etc/gpufleet/env/prefill.env")
+    assert env.split() == ["640", "root", "gpufleet"]
+
+
+def test_ansible_playbook_rerun_changes_nothing_and_restarts_nothing(lab):
+    before = units("h200-pd-1node")
+    proc = subprocess.run([str(BIN / "ansible-playbook"), "-i", "inventories/lab", "site.yml"],
+                          cwd=ROOT, capture_output=True, text=True, env=ENV, timeout=900,
+                          check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert recap(proc.stdout)["lab1"]["changed"] == 0
+    after = units("h200-pd-1node")
+    assert {u: s["main_pid"] for u, s in after.items()} == \
+        {u: s["main_pid"] for u, s in before.items()}
+
+
+def test_one_changed_flag_restarts_only_its_unit(lab):
+    before = units("h200-pd-1node")
+    deployed("h200-pd-1node", "--set", "decode:--max-num-seqs=256")
+    after = units("h200-pd-1node")
+    moved = {u for u in after if after[u]["main_pid"] != before[u]["main_pid"]}
+    assert moved == {"gpufleet-decode.service"}
+    assert "--max-num-seqs 256" in ssh("lab1", "systemctl show -p ExecStart gpufleet-decode")
+
+
+def test_without_the_tool_call_parser_the_smoke_test_names_it(lab):
+    proc = fab("deploy", "--target", "h200-pd-1node", "--unset", "engines:--tool-call-parser",
+               "--unset", "engines:--enable-auto-tool-choice")
+    assert proc.returncode == 1
+    assert "tool_call failed" in proc.stdout and "--tool-call-parser glm47" in proc.stdout
+
+
+def test_a_killed_engine_is_restarted_and_health_returns_to_green(lab):
+    deployed("h200-pd-1node")
+    pid = units("h200-pd-1node")["gpufleet-decode.service"]["main_pid"]
+    ssh("lab1", f"kill -9 {pid}")
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        state = units("h200-pd-1node")["gpufleet-decode.service"]
+        if state["main_pid"] not in (0, pid) and state["ready"]:
+            break
+        time.sleep(3)
+    assert state["restarts"] >= 1 and state["ready"], state
+    proc = fab("health", "--target", "h200-pd-1node")
+    assert proc.returncode == 0, proc.stdout
+
+
+def test_the_health_timer_writes_metrics(lab):
+    path = "/var/lib/node_exporter/textfile_collector/gpufleet.prom"
+    first = ssh("lab1", f"stat -c %Y {path}").strip()
+    deadline = time.monotonic() + 60
+    while ssh("lab1", f"stat -c %Y {path}").strip() == first and time.monotonic() < deadline:
+        time.sleep(3)
+    metrics = ssh("lab1", f"cat {path}")
+    assert ssh("lab1", f"stat -c %Y {path}").strip() != first
+    assert 'gpufleet_health_check_ok{check="generate",unit="gpufleet-router.service"} 1' \
+        in metrics
+
+
+def test_a_rebooted_host_comes_back_serving(lab):
+    lab_hosts.reboot("lab1")
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        state = units("h200-pd-1node")
+        if state and all(u["ready"] for u in state.values()):
+            break
+        time.sleep(3)
+    assert all(u["active"] == "active" and u["ready"] for u in state.values()), state
+    assert fab("smoke", "--target", "h200-pd-1node").returncode == 0
+
+
+def test_sglang_pd_through_the_real_sglang_router(lab):
+    proc = deployed("sglang-h200-pd")
+    assert "tool_call       ok" in proc.stdout
+    assert "sglang-router 0.3.2 does not route /v1/messages" in proc.stdout
+    # the previous target's units are gone from lab1; prefill and decode are on two hosts
+    state = units("sglang-h200-pd")
+    assert {(u["unit"], u["active"]) for u in state.values()} == {
+        ("gpufleet-prefill.service", "active"), ("gpufleet-decode.service", "active"),
+        ("gpufleet-router.service", "active")}
+    assert "gpufleet-decode.service" in ssh("lab2", "systemctl list-units 'gpufleet-*'")
+
+
+def test_teardown_leaves_the_hosts_clean(lab):
+    proc = fab("teardown", "--target", "sglang-h200-pd")
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    for host in ("lab1", "lab2"):
+        left = ssh(host, "ls /etc/systemd/system | grep gpufleet; ls -d /etc/gpufleet "
+                         "/var/lib/gpufleet /opt/gpufleet 2>/dev/null; "
+                         "systemctl list-units --all --no-legend 'gpufleet-*'")
+        assert left.strip() == "", f"{host}: {left}"
+    assert ssh("lab1", "ls /var/cache/gpufleet/hf/hub").strip(), "the cache is kept"

@@ -312,7 +312,8 @@ def prepare_host(host: dict, all_hosts: list[dict], root: Path, pubkey: str, hw:
             0o644,
         ),
         "/etc/pip.conf": (
-            f"[global]\nindex-url = {services.wheel_index_url()}\ntrusted-host = {ctrl}\n".encode(),
+            f"[global]\nindex-url = {services.wheel_index_url(host['faults'])}\n"
+            f"trusted-host = {ctrl}\n".encode(),
             0o644,
         ),
     }

@@ -116,6 +116,10 @@ STATE_FILE = STATE_DIR / "lab.json"
 SHARED_CACHE = STATE_DIR / "shared-cache"
 SMALL_CACHE = STATE_DIR / "shared-cache-small"
 SMALL_CACHE_SIZE = "64m"
+# The cache filesystem is as large as a site's (a sparse ext4 image: a few MB on disk),
+# so the disk-space checks see a real filesystem with real room for 1.5 TB checkpoints.
+CACHE_IMAGE = CACHE_DIR / "shared-cache.img"
+CACHE_IMAGE_SIZE = "2T"
 HOST_CACHE_PATH = "/var/cache/gpufleet/hf"
 REPO = Path(__file__).resolve().parents[2]
 INVENTORY = REPO / "inventories" / "lab" / "hosts.yml"
@@ -128,6 +132,7 @@ REQUIRED = {  # binary -> Debian package that ships it
     "ssh": "openssh-client",
     "ssh-keygen": "openssh-client",
     "apt-cacher-ng": "apt-cacher-ng",
+    "mkfs.ext4": "e2fsprogs",
 }
 
 
@@ -414,6 +419,15 @@ def cache_source(host: dict) -> Path:
     """The controller directory a host mounts as its checkpoint cache."""
     if "disk-small" not in host["faults"]:
         SHARED_CACHE.mkdir(parents=True, exist_ok=True)
+        if not CACHE_IMAGE.exists():
+            CACHE_IMAGE.parent.mkdir(parents=True, exist_ok=True)
+            subprocess.run(["truncate", "-s", CACHE_IMAGE_SIZE, str(CACHE_IMAGE)], check=True)
+            subprocess.run(["mkfs.ext4", "-q", "-F", "-m", "0", "-E",
+                            "lazy_itable_init=1,lazy_journal_init=1", str(CACHE_IMAGE)],
+                           check=True, capture_output=True)
+        if str(SHARED_CACHE) not in lab_mounts():
+            subprocess.run(["mount", "-o", "loop", str(CACHE_IMAGE), str(SHARED_CACHE)],
+                           check=True, capture_output=True)
         return SHARED_CACHE
     SMALL_CACHE.mkdir(parents=True, exist_ok=True)
     if str(SMALL_CACHE) not in lab_mounts():

@@ -1,15 +1,18 @@
-"""Dynamo 1.6.1 in the lab: the real frontend, the lab's ``dynamo.vllm`` shim, the mocker.
+"""Dynamo 1.6.1 in the lab: the real frontend, the lab's ``dynamo.vllm`` worker.
 
 The session fixture downloads the pinned wheels once (scripts/lab/dynamo/fetch_wheels.sh),
 builds the lab's ai-dynamo wheel (build.py) and installs both into a venv cached under
 /var/cache/gpufleet-lab/dynamo/ keyed by the hash of every input, the way a lab host
 installs from the lab's wheel source (``pip install --no-index --find-links``).
-Everything listens on 127.0.0.1 only.
+The checkpoint is the lab's HF mirror's zai-org/GLM-5.3-Flash (its real tokenizer and
+chat template), and the served deployments must pass gpufleet's smoke test through the
+frontend's own reasoning and tool-call parsers. Everything listens on 127.0.0.1 only.
 """
 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import random
@@ -28,11 +31,12 @@ REPO = Path(__file__).resolve().parents[2]
 LAB = REPO / "scripts" / "lab" / "dynamo"
 sys.path.insert(0, str(LAB))
 import build  # noqa: E402
-import tiny_model  # noqa: E402
+
+sys.path.insert(0, str(LAB / "shim"))
+import bpe  # noqa: E402
 
 CACHE = Path(os.environ.get("GPUFLEET_LAB_CACHE", "/var/cache/gpufleet-lab")) / "dynamo"
 MODEL = "zai-org/GLM-5.3-Flash"
-COMMIT = "0123456789abcdef0123456789abcdef01234567"
 # Keep every Dynamo socket on loopback (the default is the first non-loopback address).
 LOOPBACK = {
     "DYN_TCP_RPC_HOST": "127.0.0.1",
@@ -86,13 +90,21 @@ def lab_python(lab_wheels) -> Path:
 
 @pytest.fixture(scope="session")
 def hf_cache(tmp_path_factory) -> Path:
-    """An HF hub cache holding MODEL@main as a tiny tokenizer-only snapshot."""
+    """An HF hub cache holding MODEL@main, downloaded from the lab's mirror."""
+    from huggingface_hub import snapshot_download
+
+    from gpufleet.lab.hfmirror import MirrorServer
+
     cache = tmp_path_factory.mktemp("hub")
-    repo = cache / ("models--" + MODEL.replace("/", "--"))
-    tiny_model.write(repo / "snapshots" / COMMIT)
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text(COMMIT)
+    with MirrorServer(port=0, log_stream=io.StringIO()) as mirror:
+        snapshot_download(MODEL, cache_dir=cache, endpoint=mirror.url,
+                          allow_patterns=["*.json", "*.md"])  # fmt: skip
     return cache
+
+
+def snapshot(hf_cache: Path) -> Path:
+    repo = hf_cache / ("models--" + MODEL.replace("/", "--"))
+    return repo / "snapshots" / (repo / "refs" / "main").read_text().strip()
 
 
 @pytest.fixture()
@@ -205,18 +217,24 @@ def frontend(python: Path, port: int, *extra: str) -> list[str]:
             "--http-port", str(port), *extra]  # fmt: skip
 
 
-def chat(port: int) -> str:
-    from openai import OpenAI
+SMOKE_PASS = ("models", "ready", "stream", "completions", "reasoning", "tool_call",
+              "json_schema")  # fmt: skip
 
-    client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="lab", timeout=30)
-    reply = client.chat.completions.create(
-        model=MODEL,
-        messages=[{"role": "user", "content": "Reply with exactly: READY"}],
-        max_tokens=8,
-    )
-    assert reply.model == MODEL
-    assert reply.usage.completion_tokens == 8
-    return reply.choices[0].message.content
+
+def smoke(port: int) -> dict:
+    """{check name: Check} of gpufleet's smoke test against the frontend."""
+    from gpufleet.smoke import run_smoke
+
+    checks = run_smoke(f"http://127.0.0.1:{port}", MODEL, "dynamo", multimodal=False, timeout=30)
+    return {c.name: c for c in checks}
+
+
+def assert_smoke_passes(port: int, procs: Procs) -> None:
+    from gpufleet.smoke import render_table
+
+    checks = smoke(port)
+    failed = [n for n in SMOKE_PASS if not checks[n].ok or checks[n].skipped]
+    assert not failed, f"{failed}\n{render_table(list(checks.values()))}\n{procs.logs()}"
 
 
 # --- the wheel -------------------------------------------------------------------------
@@ -288,42 +306,80 @@ def test_shim_translates_prefill_worker(lab_python, hf_cache, hw):
                        "--namespace", "glm")  # fmt: skip
     res = dry_run(lab_python, argv, env)
     assert res.returncode == 0, res.stderr
-    out = json.loads(res.stdout)
-    args = out["argv"][3:]
-    assert out["argv"][1:3] == ["-m", "dynamo.mocker"]
-    snapshot = hf_cache / "models--zai-org--GLM-5.3-Flash" / "snapshots" / COMMIT
+    worker = json.loads(res.stdout)["worker"]
     expected = {
-        "--model-path": str(snapshot),
-        "--model-name": MODEL,
-        "--endpoint": "dyn://glm.prefill.generate",
-        "--disaggregation-mode": "prefill",
-        "--discovery-backend": "etcd",
-        "--bootstrap-ports": "5601",
-        "--max-model-len": "1048576",
+        "model_path": str(snapshot(hf_cache)),
+        "served": MODEL,
+        "namespace": "glm",
+        "component": "prefill",
+        "endpoint": "generate",
+        "mode": "prefill",
+        "discovery_backend": "etcd",
+        "event_plane": "zmq",
+        "tool_call_parser": "glm47",
+        "reasoning_parser": "glm45",
+        "max_model_len": 1048576,
+        "decode_speedup": 3.141,
+        "side_channel": {"host": "10.0.0.5", "port": 5601},
     }
-    for flag, value in expected.items():
-        assert args[args.index(flag) + 1] == value, flag
-    assert "--decode-speedup-ratio" in args and "--enable-prefix-caching" in args
-    assert out["env"]["DYN_HTTP_RPC_HOST"] == "10.0.0.5"
+    assert {k: worker.get(k) for k in expected} == expected
+    res = dry_run(lab_python, worker_argv("--disaggregation-mode", "decode"), env)
+    worker = json.loads(res.stdout)["worker"]
+    assert (worker["component"], worker["mode"], worker.get("side_channel")) == (
+        "backend", "decode", None)  # fmt: skip
+
+
+def test_lab_tokenizer_round_trips_glm_markers(hf_cache):
+    """The checkpoint's tokenizer spells the stand-in's answers and the GLM markers."""
+    tok = bpe.Tokenizer.from_dir(snapshot(hf_cache))
+    text = (
+        "The user asks: what's_up? 15% of 240 is 36.</think>READY<tool_call>get_weather"
+        '<arg_key>city</arg_key><arg_value>Paris</arg_value></tool_call>\n{"a": 1} é'
+    )
+    for specials in (True, False):
+        assert tok.decode(tok.encode(text, specials=specials)) == text
+    think = tok.token_id("</think>")
+    assert think is not None and think in tok.encode(text)
+    assert think not in tok.encode(text, specials=False)
 
 
 # --- serving through the real frontend --------------------------------------------------
 
 
-def test_agg_file_discovery_chat(lab_python, hf_cache, hw, procs, tmp_path):
+def serve_agg(lab_python, hf_cache, hw, procs, tmp_path, argv: list[str]) -> int:
     http, system = free_port(), free_port()
     env = worker_env(hf_cache, hw, DYN_FILE_KV=str(tmp_path / "kv"))
-    procs.start("worker", [str(lab_python), *worker_argv("--discovery-backend", "file")],
+    procs.start("worker", [str(lab_python), *argv, "--discovery-backend", "file"],
                 {**env, "DYN_SYSTEM_PORT": str(system)})  # fmt: skip
     procs.start("frontend", frontend(lab_python, http, "--router-mode", "round-robin",
                                      "--discovery-backend", "file"), env)  # fmt: skip
     wait_for("/v1/models", lambda: MODEL in get(f"http://127.0.0.1:{http}/v1/models")[1], procs)
-    assert get(f"http://127.0.0.1:{system}/health")[0] == 200
+    wait_for("worker /health", lambda: get(f"http://127.0.0.1:{system}/health")[0] == 200, procs)
     assert get(f"http://127.0.0.1:{http}/health")[0] == 200
-    assert chat(http).strip()
+    return http
 
 
-def test_disagg_etcd_chat(lab_python, hf_cache, hw, procs, tmp_path):
+def test_agg_file_discovery_passes_smoke(lab_python, hf_cache, hw, procs, tmp_path):
+    http = serve_agg(lab_python, hf_cache, hw, procs, tmp_path, worker_argv())
+    assert_smoke_passes(http, procs)
+    checks = smoke(http)
+    assert "get_weather" in checks["tool_call"].detail
+    assert "words of reasoning" in checks["reasoning"].detail
+
+
+def test_agg_without_tool_call_parser_fails_tool_call(lab_python, hf_cache, hw, procs, tmp_path):
+    argv = worker_argv()
+    i = argv.index("--dyn-tool-call-parser")
+    del argv[i : i + 2]
+    http = serve_agg(lab_python, hf_cache, hw, procs, tmp_path, argv)
+    checks = smoke(http)
+    tool = checks["tool_call"]
+    assert not tool.ok and "--dyn-tool-call-parser glm47" in tool.cause, tool
+    assert "came back as text" in tool.detail, tool
+    assert checks["reasoning"].ok and checks["ready"].ok
+
+
+def test_disagg_etcd_passes_smoke(lab_python, hf_cache, hw, procs, tmp_path):
     if not shutil.which("etcd"):
         pytest.skip("etcd is not installed: apt-get install etcd-server")
     client, peer, http = free_port(), free_port(), free_port()
@@ -350,7 +406,7 @@ def test_disagg_etcd_chat(lab_python, hf_cache, hw, procs, tmp_path):
     ready = f"http://127.0.0.1:{http}/v1/models/{MODEL}/ready"
     wait_for("prefill + decode", lambda: get(ready)[0] == 200, procs)
     assert json.loads(get(ready)[1])["ready"] is True
-    assert chat(http).strip()
+    assert_smoke_passes(http, procs)
     for mode, component in (("prefill", "prefill"), ("decode", "backend")):
         assert get(f"http://127.0.0.1:{ports[mode]}/health")[0] == 200
         metrics = get(f"http://127.0.0.1:{ports[mode]}/metrics")[1]
@@ -360,4 +416,6 @@ def test_disagg_etcd_chat(lab_python, hf_cache, hw, procs, tmp_path):
             and f'dynamo_component="{component}"' in line
             and 'dynamo_endpoint="generate"' in line
         ]  # fmt: skip
-        assert served and float(served[0].rsplit(" ", 1)[1]) >= 1, (mode, metrics[-2000:])
+        assert served and float(served[0].rsplit(" ", 1)[1]) >= 6, (mode, metrics[-2000:])
+    # each decode request first met its prefill worker on the NIXL side channel
+    assert "NIXL side channel: handshake from" in (tmp_path / "prefill.log").read_text()

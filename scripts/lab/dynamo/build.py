@@ -10,7 +10,9 @@ the build tag ``1lab`` marks it and makes pip prefer it over upstream's file in 
 wheel source. Changes, nothing else:
 
 * ``dynamo/vllm/`` is replaced by the lab shim (``shim/``) plus a copy of
-  ``gpufleet/engine_flags.py`` and the two option tables it needs;
+  ``gpufleet/engine_flags.py`` and the two option tables it needs, and the stand-in
+  model (``scripts/lab/standins/gpufleet_standin/model.py`` + ``standin.json``) as
+  ``dynamo/vllm/_standin/``;
 * Requires-Dist drops aisimulate (not on PyPI), transformers and kubernetes (unused by
   the frontend and the mocker in the lab) and adds packaging and pyyaml (imported by the
   frontend, upstream gets them through transformers);
@@ -37,11 +39,26 @@ TABLES = ("dynamo-1.6.1-vllm-worker-flags.json", "vllm-0.33.0-serve-flags.json")
 DROP_REQUIRES = ("aisimulate", "transformers", "kubernetes")
 ADD_REQUIRES = ("packaging>=24", "pyyaml>=6")
 STAMP = (2026, 1, 1, 0, 0, 0)
+STANDIN_DIR = REPO / "scripts" / "lab" / "standins" / "gpufleet_standin"
+STANDIN = ("model.py", "standin.json")
+# model.py only needs DATA from the stand-ins' settings module (which also checks argv).
+STANDIN_SETTINGS = b"""\"\"\"DATA of the lab stand-in model (vendored subset of settings.py).\"\"\"
+
+import json
+from pathlib import Path
+
+DATA = json.loads((Path(__file__).parent / "standin.json").read_text())
+"""
 
 
 def shim_files() -> dict[str, bytes]:
     """arcname -> content of the lab's dynamo/vllm package."""
     files = {f"dynamo/vllm/{p.name}": p.read_bytes() for p in sorted((HERE / "shim").glob("*.py"))}
+    # The stand-in model (what the vLLM/SGLang stand-ins answer) and its canned text.
+    for name in STANDIN:
+        files[f"dynamo/vllm/_standin/{name}"] = (STANDIN_DIR / name).read_bytes()
+    files["dynamo/vllm/_standin/__init__.py"] = b'"""The lab stand-in model (vendored)."""\n'
+    files["dynamo/vllm/_standin/settings.py"] = STANDIN_SETTINGS
     files["dynamo/vllm/engine_flags.py"] = (REPO / "gpufleet" / "engine_flags.py").read_bytes()
     tables = REPO / "gpufleet" / "catalog" / "engine-cli"
     for name in TABLES:

@@ -1,4 +1,4 @@
-"""``python -m dynamo.vllm`` in the lab: check the real worker's argv, then run the mocker.
+"""``python -m dynamo.vllm`` in the lab: check the real worker's argv, then serve.
 
 1. The argv is checked against the option tables of Dynamo 1.6.1's vLLM worker plus
    vLLM 0.33.0 (``engine_flags.py``, the same checker the planner uses): an unknown
@@ -8,16 +8,17 @@
    (``/etc/gpufleet-lab/hw.json`` ``gpus``, or ``$GPUFLEET_LAB_HW``, filtered by
    ``CUDA_VISIBLE_DEVICES``), FP8 KV cache for GLM-5.3-Flash on Hopper, and a
    checkpoint missing from the Hugging Face cache while ``HF_HUB_OFFLINE=1``.
-3. It then execs ``python -m dynamo.mocker`` with the equivalent arguments: model path =
-   the snapshot directory in the HF cache, model name = the served name, the same
-   disaggregation mode, discovery/request/event planes, namespace and scheduler limits.
+3. It then runs ``worker.py``: Dynamo's backend SDK registers the checkpoint (snapshot
+   folder in the HF cache) under the served name with the ``--dyn-*-parser`` names, in
+   the same disaggregation mode, namespace, discovery/request/event planes, and streams
+   the stand-in model's answers.
 
-With ``--kv-transfer-config`` a prefill worker's NIXL side channel
-(``VLLM_NIXL_SIDE_CHANNEL_HOST``/``_PORT``, vLLM's defaults localhost/5600) becomes the
-mocker's bootstrap endpoint, which the decode worker connects to.
+With ``--kv-transfer-config`` a prefill worker listens on its NIXL side channel
+(``VLLM_NIXL_SIDE_CHANNEL_HOST``/``_PORT``, vLLM's defaults localhost/5600) and hands
+that address to the decode worker, which connects there before answering.
 
-``GPUFLEET_LAB_SHIM_DRY_RUN=1`` prints ``{"argv": [...], "env": {...}}`` instead of running.
-``GPUFLEET_LAB_SPEEDUP`` is the mocker's ``--speedup-ratio`` (default 1: real-ish timing).
+``GPUFLEET_LAB_SHIM_DRY_RUN=1`` prints ``{"worker": {...settings}}`` instead of running.
+``GPUFLEET_LAB_SPEEDUP`` divides the simulated prefill and decode time (default 1).
 """
 
 from __future__ import annotations
@@ -34,8 +35,6 @@ from .engine_flags import check
 PROG = "__main__.py"  # what the real worker's argparse prints
 DEFAULT_MODEL = "Qwen/Qwen3-0.6B"  # vLLM's default --model
 HW_FILE = "/etc/gpufleet-lab/hw.json"
-# The mocker's --kv-cache-dtype choices; vLLM spellings it lacks are mapped or dropped.
-MOCKER_KV_DTYPES = {"auto", "bfloat16", "fp8", "fp8_ds_mla", "fp8_e4m3", "fp8_e5m2", "fp8_inc"}
 # Tokens per decode step a draft model of k tokens gives at this per-token acceptance.
 MTP_ACCEPTANCE = 0.7
 
@@ -71,6 +70,8 @@ def _parser() -> argparse.ArgumentParser:
     a("--kv-cache-dtype")
     a("--speculative-config")
     a("--kv-transfer-config")
+    a("--dyn-tool-call-parser")
+    a("--dyn-reasoning-parser")
     a("--enable-prefix-caching", dest="prefix_caching", action="store_true", default=None)
     a("--disable-prefix-caching", dest="prefix_caching", action="store_false")
     a("--enable-chunked-prefill", dest="chunked_prefill", action="store_true", default=None)
@@ -169,7 +170,7 @@ def decode_speedup(speculative_config: str | None) -> float | None:
 
 
 def translate(argv: list[str], env: dict) -> tuple[list[str], dict]:
-    """(``dynamo.mocker`` argv, env to set) for a ``dynamo.vllm`` argv; raises Refused."""
+    """The lab worker's settings for a ``dynamo.vllm`` argv; raises Refused."""
     problems = check(["python", "-m", "dynamo.vllm", *argv])
     if problems:
         raise _usage_error(problems[0].split(": ", 1)[-1])
@@ -198,65 +199,50 @@ def translate(argv: list[str], env: dict) -> tuple[list[str], dict]:
             "KV cache here. Use --kv-cache-dtype auto.",
         )
 
-    mode = args.disaggregation_mode if args.disaggregation_mode in ("prefill", "decode") else None
+    mode = args.disaggregation_mode if args.disaggregation_mode in ("prefill", "decode") else "agg"
     component = "prefill" if mode == "prefill" else "backend"
-    out = [
-        "--model-path",
-        resolve_model(args, env),
-        "--model-name",
-        served,
-        "--endpoint",
-        args.endpoint or f"dyn://{args.namespace}.{component}.generate",
-        "--speedup-ratio",
-        env.get("GPUFLEET_LAB_SPEEDUP", "1"),
-    ]
-    if mode:
-        out += ["--disaggregation-mode", mode]
-    for flag in (
-        "discovery_backend",
-        "request_plane",
-        "response_plane",
-        "event_plane",
-        "block_size",
-        "max_num_seqs",
-        "max_num_batched_tokens",
-        "gpu_memory_utilization",
-    ):
-        value = getattr(args, flag)
-        if value is not None:
-            out += ["--" + flag.replace("_", "-"), str(value)]
+    endpoint = args.endpoint or f"dyn://{args.namespace}.{component}.generate"
+    namespace, component, name = _endpoint_parts(endpoint)
     max_len = human_int(args.max_model_len) if args.max_model_len else None
-    if max_len and max_len > 0:
-        out += ["--max-model-len", str(max_len)]
-    kv_dtype = {"bf16": "bfloat16"}.get(kv_dtype, kv_dtype)
-    if kv_dtype in MOCKER_KV_DTYPES and kv_dtype != "auto":
-        out += ["--kv-cache-dtype", kv_dtype]
-    if args.prefix_caching is not None:
-        out.append(
-            "--enable-prefix-caching" if args.prefix_caching else "--no-enable-prefix-caching"
-        )
-    if args.chunked_prefill is not None:
-        out.append(
-            "--enable-chunked-prefill" if args.chunked_prefill else "--no-enable-chunked-prefill"
-        )
-    if args.data_parallel_size > 1:
-        out += ["--data-parallel-size", str(args.data_parallel_size)]
-    speedup = decode_speedup(args.speculative_config)
-    if speedup:
-        out += ["--decode-speedup-ratio", str(speedup)]
-    # Dynamo ships one real worker default: ready once its generate endpoint serves.
-    set_env = {
-        "DYN_SYSTEM_USE_ENDPOINT_HEALTH_STATUS": env.get(
-            "DYN_SYSTEM_USE_ENDPOINT_HEALTH_STATUS", '["generate"]'
-        )
+    config = {
+        "model_path": resolve_model(args, env),
+        "served": served,
+        "namespace": namespace,
+        "component": component,
+        "endpoint": name,
+        "mode": mode,
+        "discovery_backend": args.discovery_backend or env.get("DYN_DISCOVERY_BACKEND", "etcd"),
+        "request_plane": args.request_plane or env.get("DYN_REQUEST_PLANE", "tcp"),
+        "response_plane": args.response_plane or env.get("DYN_RESPONSE_PLANE", "tcp"),
+        # Dynamo's vLLM worker defaults to ZMQ events; the SDK would pick NATS for etcd.
+        "event_plane": args.event_plane or env.get("DYN_EVENT_PLANE") or "zmq",
+        "tool_call_parser": args.dyn_tool_call_parser,
+        "reasoning_parser": args.dyn_reasoning_parser,
+        "block_size": args.block_size or 16,
+        "max_model_len": max_len if max_len and max_len > 0 else None,
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "speedup": float(env.get("GPUFLEET_LAB_SPEEDUP") or 1),
+        "decode_speedup": decode_speedup(args.speculative_config) or 1.0,
     }
     if mode == "prefill" and args.kv_transfer_config:
-        # NIXL's side channel becomes the mocker's bootstrap rendezvous: the decode worker
-        # connects to this host and port, so vLLM's defaults (localhost:5600) fail across
-        # hosts and a port shared by two workers on one host fails to bind, as with NIXL.
-        out += ["--bootstrap-ports", env.get("VLLM_NIXL_SIDE_CHANNEL_PORT", "5600")]
-        set_env["DYN_HTTP_RPC_HOST"] = env.get("VLLM_NIXL_SIDE_CHANNEL_HOST", "localhost")
-    return out, set_env
+        # NIXL's side channel: the decode worker connects to this host and port before it
+        # takes the KV, so vLLM's defaults (localhost:5600) fail across hosts and two
+        # workers on one host and port fail to bind, as with NIXL.
+        config["side_channel"] = {
+            "host": env.get("VLLM_NIXL_SIDE_CHANNEL_HOST", "localhost"),
+            "port": int(env.get("VLLM_NIXL_SIDE_CHANNEL_PORT", "5600")),
+        }
+    return config
+
+
+def _endpoint_parts(endpoint: str) -> tuple[str, str, str]:
+    parts = endpoint.removeprefix("dyn://").split(".")
+    if len(parts) != 3 or not all(parts):
+        raise _usage_error(
+            f"argument --endpoint: expected dyn://namespace.component.endpoint, got {endpoint!r}"
+        )
+    return parts[0], parts[1], parts[2]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -264,19 +250,19 @@ def main(argv: list[str] | None = None) -> None:
     if argv and argv[0] in ("-h", "--help"):
         print(
             f"usage: {PROG} [options]\n\nLab build of ai-dynamo 1.6.1: takes the options of "
-            "Dynamo's vLLM worker and vLLM 0.33.0, runs `python -m dynamo.mocker`."
+            "Dynamo's vLLM worker and vLLM 0.33.0 and serves the lab's stand-in model."
         )
         return
     env = dict(os.environ)
     try:
-        mocker_args, set_env = translate(argv, env)
+        config = translate(argv, env)
     except Refused as exc:
         print(str(exc), file=sys.stderr)
         sys.exit(exc.code)
-    cmd = [sys.executable, "-m", "dynamo.mocker", *mocker_args]
     if env.get("GPUFLEET_LAB_SHIM_DRY_RUN"):
-        print(json.dumps({"argv": cmd, "env": set_env}))
+        print(json.dumps({"worker": config}))
         return
-    os.environ.update(set_env)
+    from .worker import serve  # imports Dynamo's runtime: only when serving
+
     sys.stdout.flush()
-    os.execv(sys.executable, cmd)
+    serve(config)

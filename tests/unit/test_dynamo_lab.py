@@ -126,6 +126,7 @@ def worker_argv(*extra: str) -> list[str]:
         "--speculative-config", '{"method":"mtp","num_speculative_tokens":7}',
         "--dyn-tool-call-parser", "glm47", "--dyn-reasoning-parser", "glm45",
         "--enable-prefix-caching", "--max-model-len", "1048576",
+        "--limit-mm-per-prompt", '{"image":1}',
         *extra,
     ]  # fmt: skip
 
@@ -221,12 +222,12 @@ SMOKE_PASS = ("models", "ready", "stream", "completions", "reasoning", "tool_cal
               "json_schema")  # fmt: skip
 
 
-def smoke(port: int) -> dict:
+def smoke(port: int, **options) -> dict:
     """{check name: Check} of gpufleet's smoke test against the frontend."""
     from gpufleet.smoke import run_smoke
 
-    checks = run_smoke(f"http://127.0.0.1:{port}", MODEL, "dynamo", multimodal=False, timeout=30)
-    return {c.name: c for c in checks}
+    options = {"multimodal": False, "timeout": 30, **options}
+    return {c.name: c for c in run_smoke(f"http://127.0.0.1:{port}", MODEL, "dynamo", **options)}
 
 
 def assert_smoke_passes(port: int, procs: Procs) -> None:
@@ -235,6 +236,9 @@ def assert_smoke_passes(port: int, procs: Procs) -> None:
     checks = smoke(port)
     failed = [n for n in SMOKE_PASS if not checks[n].ok or checks[n].skipped]
     assert not failed, f"{failed}\n{render_table(list(checks.values()))}\n{procs.logs()}"
+    # one image answered, a second refused (--limit-mm-per-prompt), as the plan promises
+    image = smoke(port, multimodal=True, image_limit=1, only=["image"])["image"]
+    assert image.ok and "2 images refused (400)" in image.detail, image
 
 
 # --- the wheel -------------------------------------------------------------------------

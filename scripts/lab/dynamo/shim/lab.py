@@ -71,6 +71,7 @@ def _parser() -> argparse.ArgumentParser:
     a("--speculative-config")
     a("--kv-transfer-config")
     a("--dyn-tool-call-parser")
+    a("--limit-mm-per-prompt")
     a("--dyn-reasoning-parser")
     a("--enable-prefix-caching", dest="prefix_caching", action="store_true", default=None)
     a("--disable-prefix-caching", dest="prefix_caching", action="store_false")
@@ -224,6 +225,7 @@ def translate(argv: list[str], env: dict) -> tuple[list[str], dict]:
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "speedup": float(env.get("GPUFLEET_LAB_SPEEDUP") or 1),
         "decode_speedup": decode_speedup(args.speculative_config) or 1.0,
+        "limit_mm_per_prompt": json.loads(args.limit_mm_per_prompt or "{}"),
     }
     if mode == "prefill" and args.kv_transfer_config:
         # NIXL's side channel: the decode worker connects to this host and port before it

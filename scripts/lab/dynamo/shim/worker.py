@@ -35,6 +35,7 @@ from dynamo.common.backend.publisher import PushSource
 from dynamo.common.backend.run import run
 from dynamo.common.backend.worker import WorkerConfig
 from dynamo.common.constants import DisaggregationMode
+from dynamo.llm.exceptions import InvalidArgument
 
 from ._standin import model as standin
 from .bpe import Tokenizer
@@ -253,6 +254,18 @@ class LabEngine(LLMEngine):
         if json.loads(reply or b"{}").get("engine_id") != params.get("remote_engine_id"):
             raise RuntimeError(f"NIXL handshake with {host}:{port}: a different engine answered")
 
+    def _check_images(self, request: dict) -> None:
+        """vLLM's --limit-mm-per-prompt: more images than allowed is a bad request."""
+        limit = (self.cfg.get("limit_mm_per_prompt") or {}).get("image")
+        data = request.get("multi_modal_data") or {}
+        images = sum(len(v) if isinstance(v, list) else 1
+                     for k, v in data.items() if "image" in k)  # fmt: skip
+        if limit is not None and images > int(limit):
+            raise InvalidArgument(
+                f"At most {limit} image(s) may be provided in one prompt (got {images}); "
+                "set --limit-mm-per-prompt to allow more"
+            )
+
     async def generate(self, request, context):
         ids = list(request.get("token_ids") or [])
         usage = {"prompt_tokens": len(ids)}
@@ -261,6 +274,7 @@ class LabEngine(LLMEngine):
                    "completion_usage": {**usage, "completion_tokens": 1,
                                         "total_tokens": len(ids) + 1}}  # fmt: skip
             return
+        self._check_images(request)
         if self.mode == DisaggregationMode.DECODE:
             prefill = request.get("prefill_result")
             if prefill is None:

@@ -149,8 +149,21 @@ def test_sglang_pd_through_the_real_sglang_router(lab):
     assert "gpufleet-decode.service" in ssh("lab2", "systemctl list-units 'gpufleet-*'")
 
 
+def test_dynamo_disaggregated_through_the_real_dynamo_frontend(lab):
+    proc = deployed("h200-disagg")
+    out = proc.stdout
+    for check in ("ready", "reasoning", "tool_call", "json_schema", "image"):
+        assert re.search(rf"- '?{check}\s+ok", out), check
+    state = units("h200-disagg")
+    assert {(u["unit"], u["active"]) for u in state.values()} == {
+        ("gpufleet-etcd.service", "active"), ("gpufleet-prefill.service", "active"),
+        ("gpufleet-decode.service", "active"), ("gpufleet-router.service", "active")}
+    # etcd came from the OS package, whose own service stays off
+    assert ssh("lab1", "systemctl is-active etcd.service || true").strip() == "inactive"
+
+
 def test_teardown_leaves_the_hosts_clean(lab):
-    proc = fab("teardown", "--target", "sglang-h200-pd")
+    proc = fab("teardown", "--target", "h200-disagg")
     assert proc.returncode == 0, proc.stdout[-3000:]
     for host in ("lab1", "lab2"):
         left = ssh(host, "ls /etc/systemd/system | grep gpufleet; ls -d /etc/gpufleet "

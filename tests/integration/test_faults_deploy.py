@@ -1,0 +1,46 @@
+"""Lab faults that a deploy must turn into a clear refusal naming the fix.
+
+Each test boots the lab with one fault switched on and deploys the default target.
+(The hardware faults of host preparation are in test_prepare_faults.py.)
+"""
+
+from __future__ import annotations
+
+import pytest
+from test_deploy import fab, ssh
+
+from gpufleet.lab import hosts as lab_hosts
+
+pytestmark = pytest.mark.lab
+
+
+@pytest.fixture
+def faulted(_lab_session):
+    def up(*faults: str):
+        lab_hosts.up(hosts=2, faults=list(faults))
+    yield up
+    lab_hosts.up(hosts=2)  # the next test gets a clean lab
+
+
+@pytest.mark.parametrize("fault,missing,offers", [
+    ("flashinfer-old", "flashinfer-python==0.6.18", "0.6.16"),
+    ("flashinfer-split", "flashinfer-cubin==0.6.18", "0.6.16"),
+])
+def test_a_stale_flashinfer_is_refused_by_the_engine_runtime(faulted, fault, missing, offers):
+    faulted(fault)
+    proc = fab("deploy", "--target", "h200-pd-1node")
+    assert proc.returncode == 1
+    out = proc.stdout
+    assert f"The package source has no {missing} (it offers: {offers})" in " ".join(out.split())
+    assert "flashinfer-cubin at the same version" in " ".join(out.split())
+    # refused before anything was served
+    assert ssh("lab1", "ls /etc/systemd/system | grep -c gpufleet- || true").strip() == "0"
+
+
+def test_a_small_cache_filesystem_is_refused_before_any_byte_moves(faulted):
+    faulted("disk-small")
+    proc = fab("deploy", "--target", "h200-pd-1node")
+    assert proc.returncode == 1
+    text = " ".join(proc.stdout.split())
+    assert "GiB free" in text and "336.6 GiB" in text
+    assert ssh("lab1", "ls -A /var/cache/gpufleet/hf").strip() == ""

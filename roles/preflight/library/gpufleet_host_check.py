@@ -1,0 +1,126 @@
+#!/usr/bin/python
+# Copyright: gpufleet contributors
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+"""Ansible module: one host's facts against the plan (gpufleet module_utils preflight)."""
+
+from __future__ import annotations
+
+DOCUMENTATION = r"""
+---
+module: gpufleet_host_check
+short_description: Compare one host's GPU, RDMA, CPU and disk facts with the plan
+description:
+  - C(check=host) calls C(check_host) of gpufleet's module_utils C(preflight) with the plan's
+    host requirements, the C(gpu_facts) facts, the CPU architecture and the free space of the
+    filesystem that holds (or will hold) the cache path, measured on the nearest existing parent.
+  - C(check=prepared) calls C(check_prepared) (fabric manager version, IMEX peers,
+    nvidia_peermem) after host preparation.
+  - Read-only; returns the problems and never fails on them (the caller reports them).
+version_added: "0.1.0"
+author: gpufleet contributors
+options:
+  check:
+    description: Which comparison to run.
+    type: str
+    choices: [host, prepared]
+    default: host
+  requirements:
+    description: The plan's entry for this host (C(plan.hosts[inventory_hostname])).
+    type: dict
+    required: true
+  gpu:
+    description: The C(gpufleet_gpu) fact.
+    type: dict
+    default: {}
+  ib:
+    description: The C(gpufleet_ib) fact.
+    type: dict
+    default: {}
+  cpu_arch:
+    description: The host's CPU architecture (C(ansible_architecture)).
+    type: str
+  cache_path:
+    description: The cache directory; free space is measured on its nearest existing parent.
+    type: path
+  cache_min_free_gib:
+    description: Overrides the plan's C(cache.min_free_gib) when set.
+    type: float
+attributes:
+  check_mode:
+    support: full
+"""
+
+RETURN = r"""
+problems:
+  description: One line per problem, each naming the value and the fix; empty when it fits.
+  returned: always
+  type: list
+  elements: str
+cache_free_gib:
+  description: Free GiB on the cache path's filesystem (C(check=host) with C(cache_path)).
+  returned: when measured
+  type: float
+cache_probe_path:
+  description: The existing directory that was measured.
+  returned: when measured
+  type: str
+"""
+
+import copy  # noqa: E402 (Ansible modules keep DOCUMENTATION first)
+import os  # noqa: E402
+
+from ansible.module_utils.basic import AnsibleModule  # noqa: E402
+from ansible.module_utils.preflight import check_host, check_prepared  # noqa: E402
+
+
+def nearest_existing(path):
+    """The path itself or its closest ancestor that exists."""
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe):
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            break
+        probe = parent
+    return probe
+
+
+def free_gib(path):
+    stat = os.statvfs(path)
+    return stat.f_bavail * stat.f_frsize / 2**30
+
+
+def main():
+    module = AnsibleModule(
+        argument_spec={
+            "check": {"type": "str", "choices": ["host", "prepared"], "default": "host"},
+            "requirements": {"type": "dict", "required": True},
+            "gpu": {"type": "dict", "default": {}},
+            "ib": {"type": "dict", "default": {}},
+            "cpu_arch": {"type": "str"},
+            "cache_path": {"type": "path"},
+            "cache_min_free_gib": {"type": "float"},
+        },
+        supports_check_mode=True,
+    )
+    params = module.params
+    req = copy.deepcopy(params["requirements"])
+    result = {"changed": False}
+    if params["check"] == "prepared":
+        result["problems"] = check_prepared(req, params["gpu"], params["ib"])
+        module.exit_json(**result)
+    free = None
+    if params["cache_path"]:
+        probe = nearest_existing(params["cache_path"])
+        try:
+            free = round(free_gib(probe), 1)
+        except OSError as exc:
+            module.fail_json(msg=f"cannot measure free space on {probe}: {exc}")
+        result.update(cache_free_gib=free, cache_probe_path=probe)
+    if params["cache_min_free_gib"] is not None:
+        req.setdefault("cache", {})["min_free_gib"] = params["cache_min_free_gib"]
+    result["problems"] = check_host(req, params["gpu"], params["ib"], params["cpu_arch"], free)
+    module.exit_json(**result)
+
+
+if __name__ == "__main__":
+    main()

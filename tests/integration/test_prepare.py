@@ -1,0 +1,106 @@
+"""Host preparation on the lab: preflight then prepare converge, re-run with changed=0,
+and --check --diff changes nothing on the hosts (checksums of /etc before and after)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import gpufleet
+from gpufleet.lab import hosts as lab_hosts
+
+pytestmark = pytest.mark.lab
+ROOT = Path(gpufleet.__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+ENV = {**os.environ, "ANSIBLE_CONFIG": str(ROOT / "ansible.cfg"), "NO_COLOR": "1",
+       "ANSIBLE_FORCE_COLOR": "0"}
+TARGET = "h200-pd-1node"
+OUR_ROLES = ("preflight", "nvidia_driver", "fabric_manager", "imex", "rdma", "ucx", "rocm")
+# What the lab's simulated tools keep as state, next to /etc (persistence, loaded modules).
+STATE = "/etc /var/lib/gpufleet-lab"
+
+
+def prepare(*extra: str) -> subprocess.CompletedProcess:
+    cmd = [str(BIN / "ansible-playbook"), "-i", "inventories/lab", "playbooks/preflight.yml",
+           "playbooks/prepare.yml", "-e", f"gpufleet_target={TARGET}", *extra]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=ENV, timeout=900,
+                          check=False)
+
+
+def ssh(host: str, command: str) -> str:
+    proc = subprocess.run(lab_hosts.ssh_cmd(host, command), capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert proc.returncode == 0, f"{host}: {command}: {proc.stderr}"
+    return proc.stdout
+
+
+def recap(output: str) -> dict[str, dict[str, int]]:
+    out = {}
+    for host, counters in re.findall(r"^(\S+)\s+:\s+(ok=.*)$", output, re.M):
+        out[host] = {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", counters)}
+    return out
+
+
+def changed_tasks(output: str) -> list[str]:
+    """'role : task name' of every task that reported changed."""
+    tasks, task = [], None
+    for line in output.splitlines():
+        m = re.match(r"^TASK \[(.*)\] \*", line)
+        if m:
+            task = m.group(1)
+        elif line.startswith("changed:") and task:
+            tasks.append(task)
+    return tasks
+
+
+def snapshot(host: str) -> set[str]:
+    """'sha256  path' of every regular file under /etc (and the lab's hardware state), plus
+    the state of the units the roles manage."""
+    out = ssh(host, f"find {STATE} -xdev -type f -print0 2>/dev/null | sort -z"
+                    " | xargs -0 sha256sum; for u in nvidia-fabricmanager nvidia-imex; do"
+                    " echo $u $(systemctl is-enabled $u) $(systemctl is-active $u); done")
+    return set(out.splitlines())
+
+
+@pytest.fixture(scope="module")
+def converged(lab):
+    proc = prepare()
+    assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-2000:]
+    return proc
+
+
+def test_prepare_converges_and_leaves_real_state(converged):
+    assert "host(s) fit the plan of h200-pd-1node" in converged.stdout
+    # nvidia_driver: persistence mode on every GPU, read with nvidia-smi itself
+    pm = ssh("lab1", "nvidia-smi --query-gpu=persistence_mode --format=csv,noheader").split()
+    assert pm == ["Enabled"] * 8
+    # fabric_manager: the unit runs and the GPUs' fabric is Completed
+    assert ssh("lab1", "systemctl is-active nvidia-fabricmanager").strip() == "active"
+    assert ssh("lab1", "systemctl is-enabled nvidia-fabricmanager").strip() == "enabled"
+    fabric = ssh("lab1", "nvidia-smi --query-gpu=fabric.state --format=csv,noheader").split()
+    assert set(fabric) == {"Completed"}
+    # ucx: the plan's environment, root-owned, not world-readable
+    stat = ssh("lab1", "stat -c '%a %U' /etc/gpufleet/ucx.env").split()
+    assert stat == ["640", "root"]
+    assert 'UCX_NET_DEVICES="all"' in ssh("lab1", "cat /etc/gpufleet/ucx.env")
+
+
+def test_rerun_changes_nothing(converged):
+    proc = prepare()
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert recap(proc.stdout)["lab1"]["changed"] == 0, changed_tasks(proc.stdout)
+
+
+def test_check_diff_changes_nothing_on_the_hosts(converged):
+    before = snapshot("lab1")
+    proc = prepare("--check", "--diff")
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    after = snapshot("lab1")
+    assert before == after, sorted(before ^ after)
+    ours = [t for t in changed_tasks(proc.stdout) if t.split(" : ")[0] in OUR_ROLES]
+    assert ours == [], ours

@@ -45,13 +45,15 @@ def _plan(target, inventory, with_="", set_=None, unset=None):
 
 
 def _ansible(playbook, plan_obj, inventory, extra=None, capture=False, check=False):
-    """Run a playbook with the plan; with capture, return Ansible's JSON result."""
+    """Run a playbook (or a list, in one run, sharing the plan) with the plan; with
+    capture, return Ansible's JSON result."""
+    books = [playbook] if isinstance(playbook, str) else list(playbook)
     env = {**os.environ, "ANSIBLE_CONFIG": str(ROOT / "ansible.cfg")}
     if capture:
         env.update(ANSIBLE_STDOUT_CALLBACK="json", ANSIBLE_LOAD_CALLBACK_PLUGINS="1")
     extra_vars = {"gpufleet_plan_json": plan_obj.to_json(), **(extra or {})}
     cmd = [str(Path(sys.executable).with_name("ansible-playbook")), "-i", inventory,
-           str(ROOT / playbook), "-e", json.dumps(extra_vars)]
+           *[str(ROOT / b) for b in books], "-e", json.dumps(extra_vars)]
     if check:
         cmd += ["--check", "--diff"]
     result = subprocess.run(cmd, env=env, cwd=ROOT, check=False,
@@ -60,10 +62,10 @@ def _ansible(playbook, plan_obj, inventory, extra=None, capture=False, check=Fal
         try:
             return result.returncode, json.loads(result.stdout)
         except ValueError:
-            raise Exit(f"gpufleet: {playbook} failed: {result.stderr.strip()[-800:]}",
+            raise Exit(f"gpufleet: {' '.join(books)} failed: {result.stderr.strip()[-800:]}",
                        code=1) from None
     if result.returncode != 0:
-        raise Exit(f"gpufleet: {playbook} failed (exit {result.returncode}); "
+        raise Exit(f"gpufleet: {' '.join(books)} failed (exit {result.returncode}); "
                    "the output above names the host and the step", code=1)
     return result.returncode, None
 
@@ -135,20 +137,27 @@ def deploy(c, target=None, inventory=DEFAULT_INVENTORY, with_="", set_=None, uns
 
 
 @task(help={"target": PLAN_HELP["target"], "inventory": PLAN_HELP["inventory"],
+            "check": "dry run: ansible --check --diff, changes nothing"})
+def prepare(c, target=None, inventory=DEFAULT_INVENTORY, check=False):
+    """Preflight every host, then prepare them: driver, fabric manager, IMEX, RDMA, UCX,
+    ROCm, engine runtime (playbooks/prepare.yml)."""
+    p = _plan(target, inventory)
+    _ansible(["playbooks/preflight.yml", "playbooks/prepare.yml"], p, inventory, check=check)
+
+
+@task(help={"target": PLAN_HELP["target"], "inventory": PLAN_HELP["inventory"],
             "check": "dry run: report what would be downloaded"})
 def cache(c, target=None, inventory=DEFAULT_INVENTORY, check=False):
     """Put the target's checkpoint on the shared cache once, verified (playbooks/cache.yml)."""
     p = _plan(target, inventory)
-    _ansible("playbooks/preflight.yml", p, inventory)
-    _ansible("playbooks/cache.yml", p, inventory, check=check)
+    _ansible(["playbooks/preflight.yml", "playbooks/cache.yml"], p, inventory, check=check)
 
 
 @task(help={"target": PLAN_HELP["target"], "inventory": PLAN_HELP["inventory"]})
 def smoke(c, target=None, inventory=DEFAULT_INVENTORY):
     """Run the smoke test against the deployment's endpoint (the official openai client)."""
     p = _plan(target, inventory)
-    _ansible("playbooks/preflight.yml", p, inventory)
-    _ansible("playbooks/smoke.yml", p, inventory)
+    _ansible(["playbooks/preflight.yml", "playbooks/smoke.yml"], p, inventory)
 
 
 def _status(p, inventory, roles=None, journal=0):
@@ -253,5 +262,6 @@ def health(c, target=None, inventory=DEFAULT_INVENTORY, format="text"):
         raise Exit(code=1)
 
 
-ns = Collection(targets, plan, deploy, cache, smoke, status, logs, restart, teardown, health)
+ns = Collection(targets, plan, deploy, prepare, cache, smoke, status, logs, restart, teardown,
+                health)
 ns.add_collection(lab)

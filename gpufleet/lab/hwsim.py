@@ -41,6 +41,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import platform
 import uuid
 from pathlib import Path
 
@@ -313,4 +314,18 @@ def render(profile: str, faults: list[str], hostname: str) -> dict[str, tuple[by
         files["/opt/rocm/.info/version"] = (f"{rocm['version']}-{rocm['build']}\n".encode(), 0o644)
     for path, tool in tools.items():
         files[path] = (WRAPPER.format(tool=tool, lib=LIB.lstrip("/")).encode(), 0o755)
+    if hw["cpu_arch"] != platform.machine():
+        # a Grace (aarch64) tray simulated on an x86-64 machine: `uname -m` tells the truth
+        # of the simulated host, as nvidia-smi does for its GPUs
+        files["/usr/local/bin/uname"] = (UNAME.format(arch=hw["cpu_arch"]).encode(), 0o755)
     return files
+
+
+UNAME = """#!/bin/sh
+# gpufleet lab: this host simulates a {arch} machine; the machine fields say so.
+case " $* " in
+  *" -m "*|*" -p "*|*" -i "*|*" --machine "*|*" --processor "*|*" --hardware-platform "*)
+    [ "$#" -eq 1 ] && {{ echo {arch}; exit 0; }} ;;
+esac
+exec /bin/uname "$@"
+"""

@@ -44,9 +44,7 @@ FAULTS = {
                      "apt-get install nvidia-fabricmanager-580=580.159.04-1"]),
     "peermem-missing": ("h200x8", "h200-disagg", [], "rdma",
                         ["disagrees about version of symbol", "Fix: reinstall the NVIDIA driver"]),
-    # the lab simulates GB200 trays on x86-64: tell preflight the architecture they report
-    "imex-down": ("gb200x4", "gb200-disagg",
-                  ["-e", "gpufleet_cpu_arch=aarch64", "-e", "imex_connect_timeout=10"], "imex",
+    "imex-down": ("gb200x4", "gb200-disagg", ["-e", "imex_connect_timeout=10"], "imex",
                   ["IMEX peers are not all connected", "nodes_config.cfg"]),
 }
 

@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from invoke import Collection, Exit, task
@@ -52,12 +53,16 @@ def _ansible(playbook, plan_obj, inventory, extra=None, capture=False, check=Fal
     if capture:
         env.update(ANSIBLE_STDOUT_CALLBACK="json", ANSIBLE_LOAD_CALLBACK_PLUGINS="1")
     extra_vars = {"gpufleet_plan_json": plan_obj.to_json(), **(extra or {})}
-    cmd = [str(Path(sys.executable).with_name("ansible-playbook")), "-i", inventory,
-           *[str(ROOT / b) for b in books], "-e", json.dumps(extra_vars)]
-    if check:
-        cmd += ["--check", "--diff"]
-    result = subprocess.run(cmd, env=env, cwd=ROOT, check=False,
-                            capture_output=capture, text=True)
+    # the plan travels in a private file, not on the command line (`ps` shows argv)
+    with tempfile.NamedTemporaryFile("w", prefix="gpufleet-plan-", suffix=".json") as fh:
+        json.dump(extra_vars, fh)
+        fh.flush()
+        cmd = [str(Path(sys.executable).with_name("ansible-playbook")), "-i", inventory,
+               *[str(ROOT / b) for b in books], "-e", f"@{fh.name}"]
+        if check:
+            cmd += ["--check", "--diff"]
+        result = subprocess.run(cmd, env=env, cwd=ROOT, check=False,
+                                capture_output=capture, text=True)
     if capture:
         try:
             return result.returncode, json.loads(result.stdout)

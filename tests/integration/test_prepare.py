@@ -104,3 +104,11 @@ def test_check_diff_changes_nothing_on_the_hosts(converged):
     assert before == after, sorted(before ^ after)
     ours = [t for t in changed_tasks(proc.stdout) if t.split(" : ")[0] in OUR_ROLES]
     assert ours == [], ours
+
+
+def test_molecule_scenario_converges_is_idempotent_and_verifies(converged):
+    """The roles' molecule scenario (molecule/default) on the lab hosts."""
+    proc = subprocess.run([str(BIN / "molecule"), "test"], cwd=ROOT, capture_output=True,
+                          text=True, env=ENV, timeout=900, check=False)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
+    assert "idempotence" in proc.stdout + proc.stderr

@@ -9,40 +9,16 @@ host comes back, the health timer writes metrics, and teardown leaves nothing.
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
+from labutil import fab, playbook, recap, ssh
 
 from gpufleet.lab import hosts as lab_hosts
 
 pytestmark = pytest.mark.lab
-ROOT = Path(__file__).parents[2]
-BIN = Path(sys.executable).parent
-ENV = {**os.environ, "ANSIBLE_CONFIG": str(ROOT / "ansible.cfg"), "NO_COLOR": "1"}
-
-
-def fab(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([str(BIN / "fab"), *args], cwd=ROOT, capture_output=True, text=True,
-                          env=ENV, timeout=900, check=False)
-
-
-def ssh(host: str, command: str) -> str:
-    proc = subprocess.run(lab_hosts.ssh_cmd(host, command), capture_output=True, text=True,
-                          timeout=60, check=False)
-    return proc.stdout
-
-
-def recap(output: str) -> dict[str, dict[str, int]]:
-    """PLAY RECAP counters per host."""
-    out = {}
-    for host, counters in re.findall(r"^(\S+)\s+:\s+(ok=.*)$", output, re.M):
-        out[host] = {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", counters)}
-    return out
 
 
 def units(target: str) -> dict[str, dict]:
@@ -72,9 +48,7 @@ def test_vllm_pd_deploys_and_passes_the_smoke_test(lab):
 
 def test_ansible_playbook_rerun_changes_nothing_and_restarts_nothing(lab):
     before = units("h200-pd-1node")
-    proc = subprocess.run([str(BIN / "ansible-playbook"), "-i", "inventories/lab", "site.yml"],
-                          cwd=ROOT, capture_output=True, text=True, env=ENV, timeout=900,
-                          check=False)
+    proc = playbook("-i", "inventories/lab", "site.yml")
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert recap(proc.stdout)["lab1"]["changed"] == 0
     after = units("h200-pd-1node")
@@ -135,6 +109,8 @@ def test_a_rebooted_host_comes_back_serving(lab):
         time.sleep(3)
     assert all(u["active"] == "active" and u["ready"] for u in state.values()), state
     assert fab("smoke", "--target", "h200-pd-1node").returncode == 0
+    # the host's own boot units survived the deploy (stale-unit cleanup is ours only)
+    assert ssh("lab1", "test -c /dev/nvidiactl && echo yes").strip() == "yes"
 
 
 def test_sglang_pd_through_the_real_sglang_router(lab):
@@ -166,8 +142,10 @@ def test_teardown_leaves_the_hosts_clean(lab):
     proc = fab("teardown", "--target", "h200-disagg")
     assert proc.returncode == 0, proc.stdout[-3000:]
     for host in ("lab1", "lab2"):
-        left = ssh(host, "ls /etc/systemd/system | grep gpufleet; ls -d /etc/gpufleet "
-                         "/var/lib/gpufleet /opt/gpufleet 2>/dev/null; "
-                         "systemctl list-units --all --no-legend 'gpufleet-*'")
+        left = ssh(host, "ls /etc/systemd/system | grep gpufleet | grep -v gpufleet-lab; "
+                         "ls -d /etc/gpufleet /var/lib/gpufleet /opt/gpufleet 2>/dev/null; "
+                         "systemctl list-units --all --no-legend 'gpufleet-*' | grep -v lab-hw")
         assert left.strip() == "", f"{host}: {left}"
+        # what is not gpufleet's stays: the lab's own hardware unit
+        assert ssh(host, "systemctl is-enabled gpufleet-lab-hw.service").strip() == "enabled"
     assert ssh("lab1", "ls /var/cache/gpufleet/hf/hub").strip(), "the cache is kept"

@@ -7,7 +7,7 @@ Each test boots the lab with one fault switched on and deploys the default targe
 from __future__ import annotations
 
 import pytest
-from test_deploy import fab, ssh
+from labutil import fab, ssh
 
 from gpufleet.lab import hosts as lab_hosts
 

@@ -3,22 +3,14 @@ and --check --diff changes nothing on the hosts (checksums of /etc before and af
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
-
-import gpufleet
-from gpufleet.lab import hosts as lab_hosts
+from labutil import BIN, ENV, ROOT, recap
+from labutil import ssh as lab_ssh
 
 pytestmark = pytest.mark.lab
-ROOT = Path(gpufleet.__file__).resolve().parents[1]
-BIN = Path(sys.executable).parent
-ENV = {**os.environ, "ANSIBLE_CONFIG": str(ROOT / "ansible.cfg"), "NO_COLOR": "1",
-       "ANSIBLE_FORCE_COLOR": "0"}
 TARGET = "h200-pd-1node"
 OUR_ROLES = ("preflight", "nvidia_driver", "fabric_manager", "imex", "rdma", "ucx", "rocm")
 # What the lab's simulated tools keep as state, next to /etc (persistence, loaded modules).
@@ -32,20 +24,6 @@ def prepare(*extra: str) -> subprocess.CompletedProcess:
                           check=False)
 
 
-def ssh(host: str, command: str) -> str:
-    proc = subprocess.run(lab_hosts.ssh_cmd(host, command), capture_output=True, text=True,
-                          timeout=120, check=False)
-    assert proc.returncode == 0, f"{host}: {command}: {proc.stderr}"
-    return proc.stdout
-
-
-def recap(output: str) -> dict[str, dict[str, int]]:
-    out = {}
-    for host, counters in re.findall(r"^(\S+)\s+:\s+(ok=.*)$", output, re.M):
-        out[host] = {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", counters)}
-    return out
-
-
 def changed_tasks(output: str) -> list[str]:
     """'role : task name' of every task that reported changed."""
     tasks, task = [], None
@@ -56,6 +34,10 @@ def changed_tasks(output: str) -> list[str]:
         elif line.startswith("changed:") and task:
             tasks.append(task)
     return tasks
+
+
+def ssh(host: str, command: str) -> str:
+    return lab_ssh(host, command, check=True)
 
 
 def snapshot(host: str) -> set[str]:

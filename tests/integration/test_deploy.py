@@ -87,6 +87,15 @@ def test_a_killed_engine_is_restarted_and_health_returns_to_green(lab):
     assert proc.returncode == 0, proc.stdout
 
 
+def test_rolling_restart_of_one_role(lab):
+    before = units("h200-pd-1node")
+    proc = fab("restart", "--role", "decode", "--target", "h200-pd-1node")
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    after = units("h200-pd-1node")
+    moved = {u for u in after if after[u]["main_pid"] != before[u]["main_pid"]}
+    assert moved == {"gpufleet-decode.service"} and after["gpufleet-decode.service"]["ready"]
+
+
 def test_the_health_timer_writes_metrics(lab):
     path = "/var/lib/node_exporter/textfile_collector/gpufleet.prom"
     first = ssh("lab1", f"stat -c %Y {path}").strip()

@@ -34,7 +34,8 @@ def test_a_stale_flashinfer_is_refused_by_the_engine_runtime(faulted, fault, mis
     assert f"The package source has no {missing} (it offers: {offers})" in " ".join(out.split())
     assert "flashinfer-cubin at the same version" in " ".join(out.split())
     # refused before anything was served
-    assert ssh("lab1", "ls /etc/systemd/system | grep -c gpufleet- || true").strip() == "0"
+    installed = ssh("lab1", "grep -l '^# gpufleet: installed by' /etc/systemd/system/*; true")
+    assert installed.strip() == ""
 
 
 def test_a_small_cache_filesystem_is_refused_before_any_byte_moves(faulted):

@@ -385,7 +385,7 @@ def test_agg_without_tool_call_parser_fails_tool_call(lab_python, hf_cache, hw, 
 
 def test_disagg_etcd_passes_smoke(lab_python, hf_cache, hw, procs, tmp_path):
     if not shutil.which("etcd"):
-        pytest.skip("etcd is not installed: apt-get install etcd-server")
+        pytest.fail("etcd is not installed. Fix: scripts/setup (apt-get install etcd-server)")
     client, peer, http = free_port(), free_port(), free_port()
     etcd_url = f"http://127.0.0.1:{client}"
     procs.start("etcd", ["etcd", "--name", "lab", "--data-dir", str(tmp_path / "etcd"),

@@ -437,8 +437,12 @@ def cache_source(host: dict) -> Path:
 
 
 def hardware_of(profile: str) -> str:
-    """Catalog hardware name of a lab profile (h200x8 -> h200, mi355x8 -> mi355x)."""
-    return re.sub(r"x\d+$", "", profile)
+    """Catalog hardware name of a lab profile: the longest catalog name the profile starts
+    with, followed by the GPU count (h200x8 -> h200, gb200x4 -> gb200, mi355x8 -> mi355x)."""
+    from gpufleet import catalog
+
+    names = [n for n in catalog.load().hardware if re.fullmatch(rf"{n}x?\d+", profile)]
+    return max(names, key=len) if names else re.sub(r"x\d+$", "", profile)
 
 
 def start_host(host: dict, hdir: Path, root: Path) -> int:

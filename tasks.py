@@ -23,7 +23,7 @@ from gpufleet.plan import ENGINE_ROLES, PlanError
 
 ROOT = Path(__file__).resolve().parent
 DEFAULT_INVENTORY = "inventories/lab"
-ROLES = ["etcd", *ENGINE_ROLES, "router"]
+ROLES = ["etcd", *ENGINE_ROLES, "router", "gateway"]
 
 PLAN_HELP = {
     "target": "target name (fab targets); default: gpufleet_target from the inventory",
@@ -134,11 +134,38 @@ def deploy(c, target=None, inventory=DEFAULT_INVENTORY, with_="", set_=None, uns
                     + [[x.name, x.host, x.unit, ",".join(map(str, x.gpus)) or "-",
                         " ".join(f"{k}={v}" for k, v in x.ports.items())]
                        for x in sorted(p.processes, key=lambda x: (x.order, x.name))])
-    print(f"\nendpoint: {p.endpoint}\ntry it:   curl {p.endpoint}/chat/completions "
+    auth = ""
+    if p.api.get("key_required"):
+        print(f"\napi key:  required; `fab endpoint` prints it (kept 0600 in {p.api['key_file']})")
+        auth = f"-H \"Authorization: Bearer $(cat {p.api['key_file']})\" "
+    print(f"endpoint: {p.endpoint}\ntry it:   curl {p.endpoint}/chat/completions {auth}"
           "-H 'Content-Type: application/json' -d '{\"model\": \"" + p.model.served_name
           + "\", \"messages\": [{\"role\": \"user\", \"content\": \"Hello\"}]}'")
     for w in p.warnings:
         print(f"warning:  {w}")
+
+
+@task(help={"target": PLAN_HELP["target"], "inventory": PLAN_HELP["inventory"],
+            "format": "text (default), json, or env (OPENAI_BASE_URL/OPENAI_API_KEY lines)"})
+def endpoint(c, target=None, inventory=DEFAULT_INVENTORY, format="text"):
+    """The deployment's endpoint and API key (made on first deploy, kept 0600 here)."""
+    p = _plan(target, inventory)
+    key = None
+    if p.api.get("key_required"):
+        try:
+            with open(p.api["key_file"]) as fh:
+                key = fh.read().strip()
+        except FileNotFoundError:
+            raise Exit(f"gpufleet: no API key yet for {inventory} ({p.api['key_file']}). "
+                       "Fix: run `fab deploy` first; it makes the key", code=1) from None
+    if format == "json":
+        print(json.dumps({"endpoint": p.endpoint, "model": p.model.served_name,
+                          "api_key": key, "api_key_file": p.api.get("key_file")}, indent=2))
+    elif format == "env":
+        print(f"OPENAI_BASE_URL={p.endpoint}\nOPENAI_API_KEY={key or 'EMPTY'}")
+    else:
+        print(f"endpoint: {p.endpoint}\nmodel:    {p.model.served_name}\n"
+              f"api key:  {key or 'none (the deployment was planned with api_key: false)'}")
 
 
 @task(help={"target": PLAN_HELP["target"], "inventory": PLAN_HELP["inventory"],
@@ -267,6 +294,6 @@ def health(c, target=None, inventory=DEFAULT_INVENTORY, format="text"):
         raise Exit(code=1)
 
 
-ns = Collection(targets, plan, deploy, prepare, cache, smoke, status, logs, restart, teardown,
-                health)
+ns = Collection(targets, plan, deploy, endpoint, prepare, cache, smoke, status, logs, restart,
+                teardown, health)
 ns.add_collection(lab)

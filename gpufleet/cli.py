@@ -25,6 +25,8 @@ INVENTORY_OVERRIDES = {
     "gpufleet_model_revision": "model_revision",
     "gpufleet_cache_dir": "cache_dir",
     "gpufleet_hf_endpoint": "hf_endpoint",
+    "gpufleet_api_key": "api_key",
+    "gpufleet_api_key_file": "api_key_file",
 }
 
 

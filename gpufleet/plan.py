@@ -10,7 +10,9 @@ in the project renders a command line.
 from __future__ import annotations
 
 import difflib
+import hashlib
 import json
+import os
 import shlex
 from dataclasses import asdict, dataclass, field
 from types import SimpleNamespace
@@ -22,7 +24,10 @@ from . import catalog as cat
 from . import inventory as inv_mod
 
 ENGINE_ROLES = ("worker", "prefill", "decode")
-START_ORDER = {"etcd": 0, "worker": 1, "prefill": 1, "decode": 1, "router": 2}
+START_ORDER = {"etcd": 0, "worker": 1, "prefill": 1, "decode": 1, "router": 2, "gateway": 3}
+# roles whose program comes from a catalog entry of their own, not the target's engine
+OWN_PROGRAM = ("etcd", "gateway")
+GATEWAY_CONF_DIR = "/etc/gpufleet/gateway"
 DEFAULT_CACHE_DIR = "/var/cache/gpufleet/hf"
 # Fit check: weights may take at most this share of the memory an engine may use;
 # the rest is KV cache, activations and CUDA graphs.
@@ -62,6 +67,9 @@ class Overrides(BaseModel):
     model_revision: str | None = None
     cache_dir: str = DEFAULT_CACHE_DIR
     hf_endpoint: str | None = None
+    # the endpoint requires an API key (checked by the gateway in front of the router)
+    api_key: bool = True
+    api_key_file: str | None = None  # on the controller; default: see api_key_path()
 
 
 @dataclass
@@ -106,6 +114,7 @@ class Plan:
     warnings: list[str]
     options: list[str]
     inventory: str
+    api: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
         return {
@@ -121,6 +130,7 @@ class Plan:
                 "modalities": self.model.modalities,
             },
             "endpoint": self.endpoint,
+            "api": self.api,
             "processes": [p.to_json() for p in self.processes],
             "hosts": self.hosts,
             "cache": self.cache,
@@ -139,6 +149,16 @@ def suggest(name: str, choices: list[str]) -> str:
     if near:
         return "did you mean " + " or ".join(near) + "? (`fab targets` lists all)"
     return "run `fab targets` to list the targets"
+
+
+def api_key_path(inventory_source: str) -> str:
+    """Where the controller keeps a deployment's API key: one per inventory, 0600,
+    outside the repository (the inventory's name plus a hash of its full path)."""
+    base = os.environ.get("XDG_CONFIG_HOME") or os.path.expanduser("~/.config")
+    full = os.path.abspath(inventory_source)
+    digest = hashlib.sha256(full.encode()).hexdigest()[:8]
+    name = os.path.basename(full.rstrip("/")) or "inventory"
+    return os.path.join(base, "gpufleet", "api-keys", f"{name}-{digest}.key")
 
 
 def render_value(value: Any) -> list[str]:
@@ -226,6 +246,10 @@ def make_plan(
         raise PlanError(problems)
 
     processes = _place(target, topology, hardware, inventory, ov)
+    front = _front(processes)
+    if ov.api_key:
+        processes.append(_gateway(front))
+        front.bind = "127.0.0.1"
     revision = ov.model_revision or model.revision
     cache = _cache(ov, model, draft, revision, catalog)
     _render(processes, roles, target, model, draft, engine, catalog, cache, ov)
@@ -234,8 +258,9 @@ def make_plan(
 
     plan = Plan(
         target=target, model=model, engine=engine, hardware=hardware,
-        processes=processes, hosts={}, cache=cache, endpoint=_endpoint(processes, model),
+        processes=processes, hosts={}, cache=cache, endpoint=_endpoint(front),
         warnings=[], options=list(ov.options), inventory=inventory.source,
+        api=_api(ov, front, inventory),
     )
     plan.hosts = _host_requirements(plan, inventory)
     problems += rules.check(plan, catalog)
@@ -378,12 +403,12 @@ def _render(processes, roles, target, model, draft, engine, catalog, cache, ov) 
             var = "CUDA_VISIBLE_DEVICES" if catalog.hardware[target.hardware].vendor == \
                 "nvidia" else "HIP_VISIBLE_DEVICES"
             p.env = {var: ",".join(map(str, p.gpus)), **p.env}
-        program_key = "etcd" if p.role == "etcd" else (
-            "router" if p.role == "router" else "engine")
-        venv = catalog.engines["etcd"].venv if p.role == "etcd" else engine.venv
-        programs = (catalog.engines["etcd"] if p.role == "etcd" else engine).programs
-        prefix = [_fmt(x, {"model": model}) for x in programs[program_key]]
-        prefix[0] = f"{venv.rstrip('/')}/{prefix[0]}"
+        if p.role in OWN_PROGRAM:
+            source, program_key = catalog.engines[p.role], p.role
+        else:
+            source, program_key = engine, ("router" if p.role == "router" else "engine")
+        prefix = [_fmt(x, {"model": model}) for x in source.programs[program_key]]
+        prefix[0] = f"{source.venv.rstrip('/')}/{prefix[0]}"
         p.argv = prefix + [tok for flag, value in p.args.items()
                            for tok in [flag, *render_value(value)]]
         p.readiness = _readiness(p, target, model)
@@ -393,6 +418,10 @@ def _readiness(p: Process, target, model) -> dict:
     host = "127.0.0.1" if p.bind == "0.0.0.0" else p.bind
     if p.role == "etcd":
         return {"url": f"http://{p.address}:{p.ports['client']}/health",
+                "timeout_s": ROUTER_TIMEOUT_S}
+    if p.role == "gateway":
+        # /health passes the gateway without a key to the process behind it
+        return {"url": f"http://{p.bind}:{p.ports['http']}/health",
                 "timeout_s": ROUTER_TIMEOUT_S}
     if p.role == "router":
         return {"url": f"http://{host}:{p.ports['http']}/health",
@@ -415,10 +444,38 @@ def _readiness(p: Process, target, model) -> dict:
     return out
 
 
-def _endpoint(processes: list[Process], model) -> str:
+def _front(processes: list[Process]) -> Process:
+    """The process clients talk to: the router, else the (rank 0) worker."""
     front = next((p for p in processes if p.role == "router"), None)
-    if front is None:
-        front = next(p for p in processes if p.role == "worker")
+    return front or next(p for p in processes if p.role == "worker")
+
+
+def _gateway(front: Process) -> Process:
+    """nginx on the front's host: the client port on the host's address, checking the
+    API key, in front of the router (or worker) that then listens on loopback only."""
+    return Process(
+        name="gateway", role="gateway", host=front.host, address=front.address, argv=[],
+        env={}, unit="gpufleet-gateway.service", ports={"http": front.ports["http"]},
+        gpus=[], order=START_ORDER["gateway"], readiness={}, bind=front.address)
+
+
+def _api(ov: Overrides, front: Process, inventory) -> dict:
+    if not ov.api_key:
+        return {"key_required": False}
+    port = front.ports["http"]
+    return {
+        "key_required": True,
+        "key_file": ov.api_key_file or api_key_path(inventory.source),
+        "gateway": {
+            "host": front.host,
+            "listen": f"{front.address}:{port}",
+            "upstream": f"127.0.0.1:{port}",
+            "conf_dir": GATEWAY_CONF_DIR,
+        },
+    }
+
+
+def _endpoint(front: Process) -> str:
     return f"http://{front.address}:{front.ports['http']}/v1"
 
 
@@ -436,7 +493,7 @@ def _host_requirements(plan: Plan, inventory: inv_mod.Inventory) -> dict[str, di
             "address": inventory.hosts[name].address,
             "roles": [p.role for p in procs],
             "units": [p.unit for p in procs],
-            "ports": sorted(port for p in procs for port in p.ports.values()),
+            "ports": sorted({port for p in procs for port in p.ports.values()}),
             "cpu_arch": hw.cpu_arch,
             "engine": {"name": target.engine, "venv": engine.venv,
                        "packages": engine.packages,
@@ -445,7 +502,7 @@ def _host_requirements(plan: Plan, inventory: inv_mod.Inventory) -> dict[str, di
             "cache": {"path": plan.cache["path"], "min_free_gib": plan.cache["min_free_gib"]},
             "ucx_env": ucx,
         }
-        engines_here = [plan_catalog.engines["etcd"] if p.role == "etcd" else engine
+        engines_here = [plan_catalog.engines[p.role] if p.role in OWN_PROGRAM else engine
                         for p in procs]
         req["system_packages"] = sorted({x for e in engines_here for x in e.system_packages})
         req["disable_services"] = sorted({x for e in engines_here for x in e.disable_services})

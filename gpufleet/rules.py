@@ -177,7 +177,8 @@ def gpus_disjoint(plan: Plan, catalog) -> list[Problem]:
 def ports_unique(plan: Plan, catalog) -> list[Problem]:
     problems = []
     by_host: dict[str, dict[int, str]] = {}
-    for p in plan.processes:
+    # the gateway shares its port with the process behind it, on another address
+    for p in (p for p in plan.processes if p.role != "gateway"):
         used = by_host.setdefault(p.host, {})
         for name, port in p.ports.items():
             if port in used:
@@ -187,6 +188,24 @@ def ports_unique(plan: Plan, catalog) -> list[Problem]:
             else:
                 used[port] = f"{p.name} ({name})"
     return problems
+
+
+LOOPBACK = ("localhost", "127.0.0.1", "::1", "0.0.0.0", "::")
+
+
+def gateway_has_an_address(plan: Plan, catalog) -> list[Problem]:
+    """The gateway listens on the front host's address and the router behind it on
+    127.0.0.1 at the same port: the host needs an address that is not loopback."""
+    gateway = plan.by_role("gateway")
+    if not gateway or gateway[0].bind not in LOOPBACK:
+        return []
+    g = gateway[0]
+    return [Problem(
+        f"inventory.{g.host}.ansible_host",
+        f"the API gateway would listen on {g.bind}:{g.ports['http']}, where the process "
+        "behind it listens too",
+        f"give {g.host} its internal address (gpufleet_internal_address or ansible_host), "
+        "or turn the key off with gpufleet_api_key: false")]
 
 
 def no_speculative_on_amd(plan: Plan, catalog) -> list[Problem]:
@@ -273,6 +292,7 @@ RULES: list[Callable[[Plan, object], list[Problem]]] = [
     parallel_matches_gpus,
     gpus_disjoint,
     ports_unique,
+    gateway_has_an_address,
     no_speculative_on_amd,
     dflash2_constraints,
     no_zigzag,

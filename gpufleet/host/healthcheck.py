@@ -185,6 +185,8 @@ def _unit(raw, where):
         "restart": _field(raw, "restart", where, (bool,), True),
         "depends_on": _field(raw, "depends_on", where, (list,), [],
                              lambda v: all(isinstance(x, str) for x in v), "a list of units"),
+        # what the operator should do when this unit is not active (host services)
+        "fix": _field(raw, "fix", where, (str,), ""),
     }
     unit["sglang"] = bool(unit["generate_url"]) and urllib.parse.urlsplit(
         unit["generate_url"]).path.rstrip("/").endswith("/health_generate")
@@ -325,6 +327,8 @@ def check_unit(unit, status, out):
         detail = f"ActiveState={state}"
         if status["load_state"] != "loaded":
             detail += " LoadState={}".format(status["load_state"])
+        if state != "active" and unit["fix"]:
+            detail += ". Fix: " + unit["fix"]
         out.append(result("active", unit["unit"], OK if state == "active" else FAIL,
                           detail, started))
     if unit["health_url"]:

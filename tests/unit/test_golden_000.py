@@ -72,12 +72,19 @@ def flags(tokens: list[str]) -> dict[str, object]:
     return out
 
 
-def assert_matches(seed_env, seed_argv, process, extra_flags=()):
+# The one value the plan changes, and why: the API gateway (nginx checking the key)
+# holds the public address, so the router behind it listens on loopback. With
+# `api_key: false` the router's command is the seed's exactly (tested below).
+BEHIND_GATEWAY = {"--host": "127.0.0.1"}
+
+
+def assert_matches(seed_env, seed_argv, process, extra_flags=(), changed=None):
     argv = process.argv
     assert Path(argv[0]).name == seed_argv[0]
     if seed_argv[0] == "vllm":
         assert argv[1:3] == seed_argv[1:3]  # serve MODEL
     want = {TRANSLATED.get(k, k): v for k, v in flags(seed_argv).items()}
+    want.update(changed or {})
     got = flags(argv)
     for flag, value in want.items():
         assert flag in got, f"{process.name}: seed flag {flag} missing"
@@ -98,7 +105,7 @@ def seed():
 
 def test_gb200_tray_is_the_aggregated_command(seed):
     env, argv = seed[0]
-    (worker,) = make_plan("gb200-tray").processes
+    (worker,) = make_plan("gb200-tray").by_role("worker")
     assert_matches(env, argv, worker)
 
 
@@ -109,7 +116,7 @@ def test_pd_pools_and_router_match_the_seed(seed, target, extra):
     (prefill,), (decode,), (router,) = (plan.by_role(r) for r in ("prefill", "decode", "router"))
     assert_matches(*seed[1], prefill, extra)
     assert_matches(*seed[2], decode, extra)
-    assert_matches(*seed[3], router)
+    assert_matches(*seed[3], router, changed=BEHIND_GATEWAY)
     assert prefill.gpus == [0, 1, 2, 3] and decode.gpus == [4, 5, 6, 7]
 
 
@@ -125,7 +132,23 @@ def test_hopper_runs_bf16_kv_and_blackwell_fp8_kv():
 def test_the_parser_finds_a_changed_value(seed):
     """The comparison itself can fail: a seed flag with another value is caught."""
     env, argv = seed[0]
-    (worker,) = make_plan("gb200-tray").processes
+    (worker,) = make_plan("gb200-tray").by_role("worker")
     worker.argv[worker.argv.index("--tensor-parallel-size") + 1] = "8"
     with pytest.raises(AssertionError, match="tensor-parallel-size"):
         assert_matches(env, argv, worker)
+
+
+def test_without_the_key_the_router_is_the_seeds_exactly(seed):
+    plan = make_plan("h200-pd-1node", None, {"api_key": False})
+    (router,) = plan.by_role("router")
+    assert_matches(*seed[3], router)
+    assert not plan.by_role("gateway")
+
+
+def test_the_gateway_takes_the_seeds_client_port(seed):
+    plan = make_plan("h200-pd-1node")
+    (gateway,), (router,) = plan.by_role("gateway"), plan.by_role("router")
+    assert gateway.ports == {"http": 8000} == router.ports
+    assert gateway.bind == gateway.address and router.bind == "127.0.0.1"
+    assert plan.endpoint == f"http://{gateway.address}:8000/v1"
+    assert plan.api["gateway"]["upstream"] == "127.0.0.1:8000"

@@ -57,13 +57,23 @@ def nvfp4_on_hopper(monkeypatch):
     return "nvfp4-on-h200"
 
 
+def _loopback_inventory():
+    inv = inventory.placeholder({"workers": 1})
+    inv.hosts["workers-1"] = inventory.Host("workers-1", "127.0.0.1", {})
+    return inv
+
+
 def _case(name, request):
+    """(target, inventory, overrides, text)"""
     if name == "nvfp4_needs_blackwell":
-        return request.getfixturevalue("nvfp4_on_hopper"), {}, "Blackwell"
-    return CASES[name]
+        return request.getfixturevalue("nvfp4_on_hopper"), None, {}, "Blackwell"
+    if name == "gateway_has_an_address":
+        return "h200-pd-1node", _loopback_inventory(), {}, "API gateway would listen on 127"
+    target, overrides, text = CASES[name]
+    return target, None, overrides, text
 
 
-ALL = [*CASES, "nvfp4_needs_blackwell"]
+ALL = [*CASES, "nvfp4_needs_blackwell", "gateway_has_an_address"]
 
 
 def test_every_rule_has_a_case():
@@ -72,9 +82,9 @@ def test_every_rule_has_a_case():
 
 @pytest.mark.parametrize("name", ALL)
 def test_rule_refuses_with_field_and_fix(name, request):
-    target, overrides, text = _case(name, request)
+    target, inv, overrides, text = _case(name, request)
     with pytest.raises(PlanError) as err:
-        make_plan(target, None, overrides)
+        make_plan(target, inv, overrides)
     messages = [str(p) for p in err.value.problems]
     assert any(text in m for m in messages), messages
     assert all("Fix: " in m for m in messages)
@@ -82,10 +92,10 @@ def test_rule_refuses_with_field_and_fix(name, request):
 
 @pytest.mark.parametrize("name", ALL)
 def test_without_the_rule_the_case_gets_through(name, request, monkeypatch):
-    target, overrides, text = _case(name, request)
+    target, inv, overrides, text = _case(name, request)
     monkeypatch.setattr(rules, "RULES", [r for r in rules.RULES if r.__name__ != name])
     try:
-        make_plan(target, None, overrides)
+        make_plan(target, inv, overrides)
     except PlanError as err:  # other rules may still object, but not with this message
         assert not any(text in str(p) for p in err.value.problems)
 
@@ -134,3 +144,10 @@ def test_wrong_override_types_name_the_field():
 def test_disaggregated_targets_warn_about_n():
     assert any("n > 1" in w for w in make_plan("h200-disagg").warnings)
     assert not any("n > 1" in w for w in make_plan("h200-agg").warnings)
+
+
+def test_loopback_host_plans_without_the_key():
+    plan = make_plan("h200-pd-1node", _loopback_inventory(), {"api_key": False})
+    assert not plan.by_role("gateway") and plan.api == {"key_required": False}
+    (router,) = plan.by_role("router")
+    assert router.args["--host"] == "0.0.0.0"

@@ -48,7 +48,9 @@ class LookupModule(LookupBase):
         for group, hosts in groups.items():
             if group not in ("all", "ungrouped"):
                 listing[group] = {"hosts": list(hosts)}
-        inventory = from_ansible_list(listing, source="ansible")
+        # the inventory's own path, as `fab` names it: the API key file is keyed on it
+        sources = variables.get("ansible_inventory_sources") or ["ansible"]
+        inventory = from_ansible_list(listing, source=str(sources[0]))
         for key in cli.INVENTORY_OVERRIDES:
             if key in variables and key not in inventory.vars:
                 inventory.vars[key] = variables[key]

@@ -238,7 +238,7 @@ def make_plan(
     hardware = catalog.hardware[target.hardware]
     topology = catalog.topologies[target.topology]
 
-    problems: list[Problem] = []
+    problems: list[Problem] = _check_override_roles(target, topology, ov)
     roles, draft = _layer_options(catalog, target, ov, problems)
     inventory = inventory or inv_mod.placeholder(topology.groups)
     problems += _check_inventory(target, topology, hardware, inventory)
@@ -268,6 +268,21 @@ def make_plan(
         raise PlanError(problems)
     plan.warnings += rules.warnings(plan)
     return plan
+
+
+def _check_override_roles(target, topology, ov: Overrides) -> list[Problem]:
+    """Overrides may only name roles this target runs (or `engines`, all engine roles)."""
+    known = sorted({p.role for p in topology.processes})
+    problems = []
+    for what in ("args", "env", "ports", "gpus"):
+        for role in getattr(ov, what):
+            if role in known or (role == "engines" and what in ("args", "env")):
+                continue
+            problems.append(Problem(
+                f"{what}.{role}", f"{target.name} runs no {role!r} process",
+                f"name one of its roles: {', '.join(known)}"
+                + (" (or engines for every engine)" if what in ("args", "env") else "")))
+    return problems
 
 
 def _layer_options(catalog, target, ov: Overrides, problems: list[Problem]):

@@ -563,6 +563,10 @@ class Fetch:
                              f"{args.allow or 'the default engine file set'}")
         log(f"{args.repo}@{args.revision} is commit {sha}: {len(files)} files, "
             f"{human(sum(f['size'] for f in files))}")
+        if args.access_only:  # preflight: the revision exists and the token may read it
+            self.probe_access(sha, files[0]["path"])
+            return {"repo": args.repo, "revision": args.revision, "commit": sha,
+                    "files": len(files), "changed": False, "access": "ok"}
         if args.dry_run:  # read-only: no lock, no manifest, nothing removed
             return self._locked(sha, files, full, None)
         self.hub.mkdir(parents=True, exist_ok=True)
@@ -687,6 +691,9 @@ def parse_args(argv):
     p.add_argument("--log-file", default=None, help="also append progress lines here")
     p.add_argument("--dry-run", action="store_true",
                    help="report what would be downloaded; download nothing")
+    p.add_argument("--access-only", action="store_true",
+                   help="only check that the revision exists and is readable with the token "
+                   "(reads metadata and one file header; writes nothing)")
     p.add_argument("--json", action="store_true", help="print a JSON summary on stdout")
     args = p.parse_args(argv)
     args.endpoint = (args.endpoint or os.environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT)
@@ -745,7 +752,9 @@ def main(argv=None) -> int:
         log(f"error: {err}")
         summary = {"repo": args.repo, "error": str(err), "exit_code": err.code}
         code = err.code
-    if code == EXIT_OK and not summary["complete"]:
+    if code == EXIT_OK and args.access_only:
+        log(f"{args.repo}@{args.revision}: readable ({summary['files']} files)")
+    elif code == EXIT_OK and not summary["complete"]:
         log(f"dry run: {summary['to_download']} files to download, nothing changed")
     elif code == EXIT_OK:
         log(f"done: {summary['files']} files verified in {summary['snapshot']}, "

@@ -11,6 +11,7 @@ by `check_prepared`, after the roles ran.
 
 from __future__ import annotations
 
+import os
 import re
 
 # A GPU may report a little less memory than the catalog's figure (ECC, firmware).
@@ -21,9 +22,86 @@ def version_tuple(text):
     return tuple(int(x) for x in re.findall(r"\d+", str(text or ""))[:4])
 
 
-def check_host(req, gpu, ib=None, cpu_arch=None, cache_free_gib=None):
+def _owner(proc, pid):
+    """(command name, systemd unit or '') of a process."""
+    try:
+        with open(f"{proc}/{pid}/comm") as fh:
+            comm = fh.read().strip()
+        with open(f"{proc}/{pid}/cgroup") as fh:
+            cgroup = fh.read()
+    except OSError:
+        return "?", ""
+    units = re.findall(r"([\w@.:-]+\.service)", cgroup)
+    return comm, units[-1] if units else ""
+
+
+def listeners(proc="/proc"):
+    """{port: [(pid, command, unit)]} for every TCP socket listening on this host."""
+    inodes = {}
+    for table in ("tcp", "tcp6"):
+        try:
+            with open(f"{proc}/net/{table}") as fh:
+                rows = fh.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            f = row.split()
+            if len(f) > 9 and f[3] == "0A":  # LISTEN
+                inodes[f[9]] = int(f[1].rsplit(":", 1)[1], 16)
+    out = {port: [] for port in inodes.values()}
+    for pid in (p for p in os.listdir(proc) if p.isdigit()):
+        try:
+            fds = os.listdir(f"{proc}/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                link = os.readlink(f"{proc}/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            inode = link[8:-1] if link.startswith("socket:[") else None
+            if inode in inodes:
+                entry = (int(pid), *_owner(proc, pid))
+                if entry not in out[inodes[inode]]:
+                    out[inodes[inode]].append(entry)
+    return out
+
+
+def _ports_taken(req, listening, ours_prefix="gpufleet-"):
+    problems = []
+    for port in req.get("ports") or []:
+        owners = listening.get(port)
+        if owners is None or (owners and all(u.startswith(ours_prefix) for _, _, u in owners)):
+            continue  # free, or held by this deployment's own unit (a re-run)
+        who = ", ".join(f"{comm} (pid {pid}{', ' + unit if unit else ''})"
+                        for pid, comm, unit in owners) or "a process this check cannot see"
+        problems.append(f"port {port} is already in use by {who}. Fix: stop it, or give the "
+                        "process that needs the port another one (gpufleet_ports / --set)")
+    return problems
+
+
+def _cache_writable(req, probe):
+    path = (req.get("cache") or {}).get("path")
+    if not path or not probe:
+        return []
+    try:
+        read_only = bool(os.statvfs(probe).f_flag & os.ST_RDONLY)
+    except OSError:
+        return []
+    if read_only or not os.access(probe, os.W_OK):
+        why = "is on a read-only filesystem" if read_only else "is not writable by root"
+        return [f"cache path {path} {why} ({probe}). Fix: mount the shared cache read-write "
+                "or point gpufleet_cache_dir at a writable shared filesystem"]
+    return []
+
+
+def check_host(req, gpu, ib=None, cpu_arch=None, cache_free_gib=None, listening=None,
+               cache_probe=None):
     """Problems (strings naming value and fix) for one host; [] when it fits."""
     problems = []
+    if listening is not None:
+        problems += _ports_taken(req, listening)
+    problems += _cache_writable(req, cache_probe)
     if cpu_arch and req.get("cpu_arch") and cpu_arch != req["cpu_arch"]:
         problems.append(f"CPU is {cpu_arch} but the target needs {req['cpu_arch']} hosts. "
                         "Fix: use the target for this hardware")

@@ -361,3 +361,23 @@ def test_unknown_repo_and_revision(mirror, tmp_path):
     assert code == 4 and "repo zai-org/GLM-9 not found" in out, out
     code, _, out = run(mirror, tmp_path, FLASH, "--revision", "v0.0-nope")
     assert code == 4 and "gpufleet_model_revision" in out, out
+
+
+@pytest.mark.parametrize(("repo", "extra", "env", "code", "words"), [
+    (GATED, (), {}, 3, "is gated and no token was given"),
+    (GATED, (), {"HF_TOKEN": WRONG_TOKEN}, 3, "refused the token"),
+    (FLASH, ("--revision", "v0.0-nope"), {}, 4, "gpufleet_model_revision"),
+    (GATED, (), {"HF_TOKEN": TOKEN}, 0, "readable"),
+    (FLASH, (), {}, 0, "readable"),
+], ids=["gated-no-token", "wrong-token", "bad-revision", "gated-ok", "open-ok"])
+def test_access_only_checks_without_writing_or_downloading(mirror, tmp_path, repo, extra, env,
+                                                           code, words):
+    """What preflight runs on the controller: one header, never a weight byte, no file."""
+    cache = tmp_path / "cache"
+    got, _summary, out = run(mirror, cache, repo, "--access-only", *extra, env=env)
+    assert got == code, out
+    assert words in out
+    assert not cache.exists()
+    assert mirror.stats.snapshot()["bytes_sent"] == 0
+    for token in (TOKEN, WRONG_TOKEN):
+        assert token not in out

@@ -103,3 +103,49 @@ def test_recorded_run_on_the_real_h200_matches_what_the_code_says_now():
                          report["cpu_arch"], report["free_gib"])
         assert now == result["preflight"], name
     assert any("needs aarch64" in p for p in report["results"]["gb200-tray/worker"]["preflight"])
+
+
+# ---------------------------------------------------------------- ports and cache path
+
+def test_a_port_held_by_another_program_is_named_with_its_pid():
+    import os
+    import socket
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    port = sock.getsockname()[1]
+    try:
+        from gpufleet.module_utils.preflight import _ports_taken, listeners
+        listening = listeners()
+        assert any(pid == os.getpid() for pid, _, _ in listening[port])
+        (problem,) = _ports_taken({"ports": [port]}, listening)
+        assert f"port {port} is already in use by" in problem and f"pid {os.getpid()}" in problem
+        assert "Fix: stop it" in problem
+    finally:
+        sock.close()
+    assert _ports_taken({"ports": [port]}, listeners()) == []
+
+
+def test_a_port_held_by_our_own_unit_is_a_rerun_not_a_problem():
+    from gpufleet.module_utils.preflight import _ports_taken
+    ours = {8000: [(42, "nginx", "gpufleet-gateway.service")]}
+    theirs = {8000: [(43, "nginx", "nginx.service")]}
+    assert _ports_taken({"ports": [8000]}, ours) == []
+    assert "nginx (pid 43, nginx.service)" in _ports_taken({"ports": [8000]}, theirs)[0]
+
+
+def test_a_read_only_cache_path_is_refused(tmp_path):
+    import subprocess
+
+    from gpufleet.module_utils.preflight import _cache_writable
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(ro)], check=True)
+    try:
+        (problem,) = _cache_writable({"cache": {"path": f"{ro}/hf"}}, str(ro))
+    finally:
+        subprocess.run(["umount", str(ro)], check=True)
+    assert f"cache path {ro}/hf is on a read-only filesystem" in problem
+    assert "Fix: mount the shared cache read-write" in problem
+    assert _cache_writable({"cache": {"path": str(tmp_path / "hf")}}, str(tmp_path)) == []

@@ -13,6 +13,8 @@ description:
   - C(check=host) calls C(check_host) of gpufleet's module_utils C(preflight) with the plan's
     host requirements, the C(gpu_facts) facts, the CPU architecture and the free space of the
     filesystem that holds (or will hold) the cache path, measured on the nearest existing parent.
+  - It also reports ports the plan needs that a process other than a gpufleet unit
+    listens on, and a cache path on a read-only or unwritable filesystem.
   - C(check=prepared) calls C(check_prepared) (fabric manager version, IMEX peers,
     nvidia_peermem) after host preparation.
   - Read-only; returns the problems and never fails on them (the caller reports them).
@@ -70,7 +72,7 @@ import copy  # noqa: E402 (Ansible modules keep DOCUMENTATION first)
 import os  # noqa: E402
 
 from ansible.module_utils.basic import AnsibleModule  # noqa: E402
-from ansible.module_utils.preflight import check_host, check_prepared  # noqa: E402
+from ansible.module_utils.preflight import check_host, check_prepared, listeners  # noqa: E402
 
 
 def nearest_existing(path):
@@ -108,7 +110,7 @@ def main():
     if params["check"] == "prepared":
         result["problems"] = check_prepared(req, params["gpu"], params["ib"])
         module.exit_json(**result)
-    free = None
+    free = probe = None
     if params["cache_path"]:
         probe = nearest_existing(params["cache_path"])
         try:
@@ -118,7 +120,8 @@ def main():
         result.update(cache_free_gib=free, cache_probe_path=probe)
     if params["cache_min_free_gib"] is not None:
         req.setdefault("cache", {})["min_free_gib"] = params["cache_min_free_gib"]
-    result["problems"] = check_host(req, params["gpu"], params["ib"], params["cpu_arch"], free)
+    result["problems"] = check_host(req, params["gpu"], params["ib"], params["cpu_arch"], free,
+                                    listening=listeners(), cache_probe=probe)
     module.exit_json(**result)
 
 

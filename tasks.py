@@ -69,6 +69,10 @@ def _ansible(playbook, plan_obj, inventory, extra=None, capture=False, check=Fal
         except ValueError:
             raise Exit(f"gpufleet: {' '.join(books)} failed: {result.stderr.strip()[-800:]}",
                        code=1) from None
+    if result.returncode == 4:  # ansible-playbook: a host could not be reached
+        raise Exit(f"gpufleet: {' '.join(books)} stopped: a host is UNREACHABLE (named "
+                   "above). Fix: check that the host is up and answers SSH "
+                   f"(ansible -i {inventory} -m ping HOST)", code=1)
     if result.returncode != 0:
         raise Exit(f"gpufleet: {' '.join(books)} failed (exit {result.returncode}); "
                    "the output above names the host and the step", code=1)

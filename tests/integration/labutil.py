@@ -17,9 +17,9 @@ ENV = {**os.environ, "ANSIBLE_CONFIG": str(ROOT / "ansible.cfg"), "NO_COLOR": "1
        "ANSIBLE_FORCE_COLOR": "0"}
 
 
-def fab(*args: str) -> subprocess.CompletedProcess:
+def fab(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([str(BIN / "fab"), *args], cwd=ROOT, capture_output=True, text=True,
-                          env=ENV, timeout=900, check=False)
+                          env={**ENV, **(env or {})}, timeout=900, check=False)
 
 
 def playbook(*args: str) -> subprocess.CompletedProcess:
@@ -40,3 +40,27 @@ def recap(output: str) -> dict[str, dict[str, int]]:
     for host, counters in re.findall(r"^(\S+)\s+:\s+(ok=.*)$", output, re.M):
         out[host] = {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", counters)}
     return out
+
+
+def changed_tasks(output: str, host: str) -> list[str]:
+    """Names of the tasks that reported a change on host (for failure messages)."""
+    blocks = re.split(r"^TASK \[", output, flags=re.M)[1:]
+    return [b.split("]", 1)[0] for b in blocks
+            if re.search(rf"^changed: \[{re.escape(host)}\b", b, re.M)]
+
+
+HOSTS = ("lab1", "lab2")
+# Everything gpufleet writes on a host (path, size, mtime, mode, owner) plus the content
+# of /etc. The health timer's own state is left out: it runs every 15 s in the lab and
+# rewrites it by design.
+DIGEST = (
+    "{ find /etc /opt/gpufleet /var/lib/gpufleet /usr/local/lib/gpufleet /var/cache/gpufleet/hf"
+    " -xdev \\( -name 'health-state.json*' -o -name '.health-state.json.tmp*' \\) -prune"
+    " -o -printf '%p %s %T@ %m %u:%g\\n' 2>/dev/null | sort;"
+    " find /etc -xdev -type f -exec sha256sum {} + 2>/dev/null | sort; } | sha256sum"
+)
+
+
+def digests(hosts=HOSTS) -> dict[str, str]:
+    """host -> digest of its gpufleet files; equal before and after = nothing changed."""
+    return {h: ssh(h, DIGEST, check=True).split()[0] for h in hosts}

@@ -14,7 +14,7 @@ import subprocess
 import time
 
 import pytest
-from labutil import fab, playbook, recap, ssh
+from labutil import changed_tasks, fab, playbook, recap, ssh
 
 from gpufleet.lab import hosts as lab_hosts
 
@@ -50,7 +50,7 @@ def test_ansible_playbook_rerun_changes_nothing_and_restarts_nothing(lab):
     before = units("h200-pd-1node")
     proc = playbook("-i", "inventories/lab", "site.yml")
     assert proc.returncode == 0, proc.stdout[-3000:]
-    assert recap(proc.stdout)["lab1"]["changed"] == 0
+    assert recap(proc.stdout)["lab1"]["changed"] == 0, changed_tasks(proc.stdout, "lab1")
     after = units("h200-pd-1node")
     assert {u: s["main_pid"] for u, s in after.items()} == \
         {u: s["main_pid"] for u, s in before.items()}

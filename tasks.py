@@ -142,6 +142,8 @@ def deploy(c, target=None, inventory=DEFAULT_INVENTORY, with_="", set_=None, uns
     if p.api.get("key_required"):
         print(f"\napi key:  required; `fab endpoint` prints it (kept 0600 in {p.api['key_file']})")
         auth = f"-H \"Authorization: Bearer $(cat {p.api['key_file']})\" "
+    for other in p.endpoints[1:]:
+        print(f"replica:  {other}")
     print(f"endpoint: {p.endpoint}\ntry it:   curl {p.endpoint}/chat/completions {auth}"
           "-H 'Content-Type: application/json' -d '{\"model\": \"" + p.model.served_name
           + "\", \"messages\": [{\"role\": \"user\", \"content\": \"Hello\"}]}'")
@@ -163,11 +165,14 @@ def endpoint(c, target=None, inventory=DEFAULT_INVENTORY, format="text"):
             raise Exit(f"gpufleet: no API key yet for {inventory} ({p.api['key_file']}). "
                        "Fix: run `fab deploy` first; it makes the key", code=1) from None
     if format == "json":
-        print(json.dumps({"endpoint": p.endpoint, "model": p.model.served_name,
+        print(json.dumps({"endpoint": p.endpoint, "endpoints": p.endpoints,
+                          "model": p.model.served_name,
                           "api_key": key, "api_key_file": p.api.get("key_file")}, indent=2))
     elif format == "env":
         print(f"OPENAI_BASE_URL={p.endpoint}\nOPENAI_API_KEY={key or 'EMPTY'}")
     else:
+        for other in p.endpoints[1:]:
+            print(f"replica:  {other}")
         print(f"endpoint: {p.endpoint}\nmodel:    {p.model.served_name}\n"
               f"api key:  {key or 'none (the deployment was planned with api_key: false)'}")
 

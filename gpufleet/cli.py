@@ -27,6 +27,7 @@ INVENTORY_OVERRIDES = {
     "gpufleet_hf_endpoint": "hf_endpoint",
     "gpufleet_api_key": "api_key",
     "gpufleet_api_key_file": "api_key_file",
+    "gpufleet_replicas": "replicas",
 }
 
 

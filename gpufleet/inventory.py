@@ -8,6 +8,7 @@ placeholder hosts named after the groups it needs.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -88,8 +89,10 @@ def load(path: str) -> Inventory:
         )
     exe = shutil.which("ansible-inventory") or str(Path(sys.executable).with_name(
         "ansible-inventory"))
+    # stdout must be the JSON alone, whatever verbosity the operator asked Ansible for
+    env = {**os.environ, "ANSIBLE_VERBOSITY": "0"}
     proc = subprocess.run(
-        [exe, "-i", path, "--list"], capture_output=True, text=True, check=False
+        [exe, "-i", path, "--list"], capture_output=True, text=True, check=False, env=env
     )
     if proc.returncode != 0:
         raise InventoryError(

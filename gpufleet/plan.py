@@ -70,6 +70,8 @@ class Overrides(BaseModel):
     # the endpoint requires an API key (checked by the gateway in front of the router)
     api_key: bool = True
     api_key_file: str | None = None  # on the controller; default: see api_key_path()
+    # a single-node target on every host of its group: one independent copy per host
+    replicas: bool = False
 
 
 @dataclass
@@ -115,6 +117,7 @@ class Plan:
     options: list[str]
     inventory: str
     api: dict = field(default_factory=dict)
+    endpoints: list[str] = field(default_factory=list)  # one per replica
 
     def to_json(self) -> dict:
         return {
@@ -130,6 +133,7 @@ class Plan:
                 "modalities": self.model.modalities,
             },
             "endpoint": self.endpoint,
+            "endpoints": self.endpoints,
             "api": self.api,
             "processes": [p.to_json() for p in self.processes],
             "hosts": self.hosts,
@@ -241,26 +245,29 @@ def make_plan(
     problems: list[Problem] = _check_override_roles(target, topology, ov)
     roles, draft = _layer_options(catalog, target, ov, problems)
     inventory = inventory or inv_mod.placeholder(topology.groups)
-    problems += _check_inventory(target, topology, hardware, inventory)
+    problems += _check_inventory(target, topology, hardware, inventory, ov.replicas)
     if problems:
         raise PlanError(problems)
 
-    processes = _place(target, topology, hardware, inventory, ov)
-    front = _front(processes)
-    if ov.api_key:
-        processes.append(_gateway(front))
-        front.bind = "127.0.0.1"
     revision = ov.model_revision or model.revision
     cache = _cache(ov, model, draft, revision, catalog)
-    _render(processes, roles, target, model, draft, engine, catalog, cache, ov)
+    processes, fronts = [], []
+    for replica in _place(target, topology, hardware, inventory, ov):
+        front = _front(replica)
+        if ov.api_key:
+            replica.append(_gateway(front))
+            front.bind = "127.0.0.1"
+        _render(replica, roles, target, model, draft, engine, catalog, cache, ov)
+        processes += replica
+        fronts.append(front)
 
     from . import rules  # the rules read plans; imported here to keep the cycle local
 
     plan = Plan(
         target=target, model=model, engine=engine, hardware=hardware,
-        processes=processes, hosts={}, cache=cache, endpoint=_endpoint(front),
+        processes=processes, hosts={}, cache=cache, endpoint=_endpoint(fronts[0]),
         warnings=[], options=list(ov.options), inventory=inventory.source,
-        api=_api(ov, front, inventory),
+        api=_api(ov, inventory), endpoints=[_endpoint(f) for f in fronts],
     )
     plan.hosts = _host_requirements(plan, inventory)
     problems += rules.check(plan, catalog)
@@ -311,18 +318,26 @@ def _layer_options(catalog, target, ov: Overrides, problems: list[Problem]):
     return roles, draft
 
 
-def _check_inventory(target, topology, hardware, inventory) -> list[Problem]:
+def _check_inventory(target, topology, hardware, inventory, replicas=False) -> list[Problem]:
     problems = []
+    if replicas and list(topology.groups.values()) != [1]:
+        problems.append(Problem(
+            "replicas", f"{target.name} spans {sum(topology.groups.values())} hosts; "
+            "replicas copy a single-node target onto every host of its group",
+            "drop gpufleet_replicas, or pick a single-node target"))
+        replicas = False
     for group, count in topology.groups.items():
         hosts = inventory.group(group)
-        if len(hosts) != count:
+        if len(hosts) != count and not (replicas and hosts):  # replicas: a copy per host
+            single = list(topology.groups.values()) == [1] and len(hosts) > 1
             problems.append(Problem(
                 f"inventory.{group}",
                 f"target {target.name} needs exactly {count} host(s) in group {group!r}, "
                 f"the inventory has {len(hosts)}"
                 + (f" ({', '.join(h.name for h in hosts)})" if hosts else ""),
                 f"put {count} host(s) in [{group}] (groups this target uses: "
-                f"{', '.join(topology.groups)})"))
+                f"{', '.join(topology.groups)})"
+                + (", or set gpufleet_replicas: true for a copy on each" if single else "")))
         for host in hosts:
             declared = host.vars.get("gpufleet_hardware")
             if declared and declared != target.hardware:
@@ -334,10 +349,20 @@ def _check_inventory(target, topology, hardware, inventory) -> list[Problem]:
     return problems
 
 
-def _place(target, topology, hardware, inventory, ov: Overrides) -> list[Process]:
+def _place(target, topology, hardware, inventory, ov: Overrides) -> list[list[Process]]:
+    """The processes of each copy: one list, or one per host with replicas."""
+    if ov.replicas and list(topology.groups.values()) == [1]:
+        (group,) = topology.groups
+        return [_place_one(target, topology, hardware, inventory, ov, {group: [host]})
+                for host in inventory.group(group)]
+    return [_place_one(target, topology, hardware, inventory, ov, None)]
+
+
+def _place_one(target, topology, hardware, inventory, ov: Overrides,
+               only: dict | None) -> list[Process]:
     processes: list[Process] = []
     for spec in topology.processes:
-        hosts = inventory.group(spec.group)
+        hosts = only[spec.group] if only else inventory.group(spec.group)
         placed = hosts if spec.each else hosts[:1]
         for rank, host in enumerate(placed):
             if spec.role in ov.gpus:
@@ -474,20 +499,12 @@ def _gateway(front: Process) -> Process:
         gpus=[], order=START_ORDER["gateway"], readiness={}, bind=front.address)
 
 
-def _api(ov: Overrides, front: Process, inventory) -> dict:
+def _api(ov: Overrides, inventory) -> dict:
     if not ov.api_key:
         return {"key_required": False}
-    port = front.ports["http"]
-    return {
-        "key_required": True,
-        "key_file": ov.api_key_file or api_key_path(inventory.source),
-        "gateway": {
-            "host": front.host,
-            "listen": f"{front.address}:{port}",
-            "upstream": f"127.0.0.1:{port}",
-            "conf_dir": GATEWAY_CONF_DIR,
-        },
-    }
+    return {"key_required": True,
+            "key_file": ov.api_key_file or api_key_path(inventory.source),
+            "gateway_conf_dir": GATEWAY_CONF_DIR}
 
 
 def _endpoint(front: Process) -> str:

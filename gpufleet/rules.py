@@ -196,16 +196,13 @@ LOOPBACK = ("localhost", "127.0.0.1", "::1", "0.0.0.0", "::")
 def gateway_has_an_address(plan: Plan, catalog) -> list[Problem]:
     """The gateway listens on the front host's address and the router behind it on
     127.0.0.1 at the same port: the host needs an address that is not loopback."""
-    gateway = plan.by_role("gateway")
-    if not gateway or gateway[0].bind not in LOOPBACK:
-        return []
-    g = gateway[0]
     return [Problem(
         f"inventory.{g.host}.ansible_host",
         f"the API gateway would listen on {g.bind}:{g.ports['http']}, where the process "
         "behind it listens too",
         f"give {g.host} its internal address (gpufleet_internal_address or ansible_host), "
-        "or turn the key off with gpufleet_api_key: false")]
+        "or turn the key off with gpufleet_api_key: false")
+        for g in plan.by_role("gateway") if g.bind in LOOPBACK]
 
 
 def no_speculative_on_amd(plan: Plan, catalog) -> list[Problem]:

@@ -50,13 +50,14 @@ def changed_tasks(output: str, host: str) -> list[str]:
 
 
 HOSTS = ("lab1", "lab2")
-# Everything gpufleet writes on a host (path, size, mtime, mode, owner) plus the content
-# of /etc. The health timer's own state is left out: it runs every 15 s in the lab and
+# Everything gpufleet writes on a host (path, size, mtime, mode, owner; directories
+# without mtime, which a file replaced inside them moves) plus the content of /etc. The health timer's own state is left out: it runs every 15 s in the lab and
 # rewrites it by design.
 DIGEST = (
     "{ find /etc /opt/gpufleet /var/lib/gpufleet /usr/local/lib/gpufleet /var/cache/gpufleet/hf"
     " -xdev \\( -name 'health-state.json*' -o -name '.health-state.json.tmp*' \\) -prune"
-    " -o -printf '%p %s %T@ %m %u:%g\\n' 2>/dev/null | sort;"
+    " -o -type d -printf '%p/ %m %u:%g\\n' -o -printf '%p %s %T@ %m %u:%g\\n' 2>/dev/null"
+    " | sort;"
     " find /etc -xdev -type f -exec sha256sum {} + 2>/dev/null | sort; } | sha256sum"
 )
 

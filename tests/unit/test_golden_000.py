@@ -151,4 +151,4 @@ def test_the_gateway_takes_the_seeds_client_port(seed):
     assert gateway.ports == {"http": 8000} == router.ports
     assert gateway.bind == gateway.address and router.bind == "127.0.0.1"
     assert plan.endpoint == f"http://{gateway.address}:8000/v1"
-    assert plan.api["gateway"]["upstream"] == "127.0.0.1:8000"
+    assert plan.api["key_required"] and plan.endpoints == [plan.endpoint]

@@ -151,3 +151,22 @@ def test_loopback_host_plans_without_the_key():
     assert not plan.by_role("gateway") and plan.api == {"key_required": False}
     (router,) = plan.by_role("router")
     assert router.args["--host"] == "0.0.0.0"
+
+
+def test_replicas_put_an_independent_copy_on_every_host():
+    inv = inventory.placeholder({"workers": 3})
+    plan = make_plan("h200-pd-1node", inv, {"replicas": True})
+    assert len(plan.endpoints) == 3 and plan.endpoint == plan.endpoints[0]
+    for host in inv.hosts:
+        procs = {p.role: p for p in plan.processes if p.host == host}
+        assert set(procs) == {"prefill", "decode", "router", "gateway"}
+        # each router talks to its own host's pools, on loopback
+        assert procs["router"].args["--prefill"] == "http://127.0.0.1:8001"
+        assert procs["gateway"].bind == inv.hosts[host].address
+    assert set(plan.hosts) == set(inv.hosts)
+
+
+def test_replicas_of_a_multi_node_target_are_refused():
+    inv = inventory.placeholder({"prefill": 2, "decode": 2})
+    with pytest.raises(PlanError, match="replicas copy a single-node target.*Fix: drop"):
+        make_plan("h200-disagg", inv, {"replicas": True})

@@ -1,0 +1,233 @@
+"""Faults while serving and while deploying, each with a measured outcome.
+
+kill -9 of the router, the gateway and the health checker; decode stopped under a
+live router (requests fail fast with a clear status, none hang); the cache filesystem
+filling up; the fabric manager stopping; a deploy killed at every play boundary and
+in the middle of the serve play; a decode host that drops off the network in the
+middle of a deploy. Each test prints what the operator sees and how long it took.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+
+import openai
+import pytest
+from labutil import BIN, ENV, ROOT, changed_tasks, digests, fab, recap, ssh
+
+from gpufleet.lab import net
+
+pytestmark = pytest.mark.lab
+
+TARGET = "h200-pd-1node"
+MODEL = "zai-org/GLM-5.3-Flash"
+
+
+def units() -> dict[str, dict]:
+    proc = fab("status", "--target", TARGET, "--format", "json")
+    return {u["unit"]: u for u in json.loads(proc.stdout)["units"]}
+
+
+def health() -> tuple[int, list[dict]]:
+    proc = fab("health", "--format", "json")
+    checks = [dict(c, host=h) for h, r in json.loads(proc.stdout)["hosts"].items()
+              for c in r.get("checks", [])]
+    return proc.returncode, checks
+
+
+def wait(predicate, timeout: float, step: float = 1.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(step)
+    raise AssertionError(f"not within {timeout}s")
+
+
+@pytest.fixture(scope="module")
+def endpoint(lab):
+    proc = fab("deploy", "--target", TARGET)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    return json.loads(fab("endpoint", "--format", "json").stdout)
+
+
+def ask(endpoint, timeout=30):
+    c = openai.OpenAI(base_url=endpoint["endpoint"], api_key=endpoint["api_key"],
+                      max_retries=0, timeout=timeout)
+    return c.chat.completions.create(model=MODEL, max_tokens=16,
+                                     messages=[{"role": "user", "content": "Say READY"}])
+
+
+@pytest.mark.parametrize("unit", ["gpufleet-router.service", "gpufleet-gateway.service"])
+def test_kill_9_of_a_front_process_is_back_within_seconds(endpoint, unit):
+    pid = units()[unit]["main_pid"]
+    t0 = time.monotonic()
+    ssh("lab1", f"kill -9 {pid}", check=True)
+
+    def serving():
+        try:
+            return ask(endpoint, timeout=5).choices[0].message.content
+        except openai.APIError:
+            return None
+    wait(serving, 60)
+    print(f"{unit}: killed, serving again after {time.monotonic() - t0:.1f}s")
+    assert units()[unit]["main_pid"] != pid
+    assert units()[unit]["restarts"] >= 1
+
+
+def test_kill_9_of_the_health_checker_mid_run_leaves_its_files_whole(endpoint):
+    ssh("lab1", "systemctl start --no-block gpufleet-health.service")
+    def running_pid():
+        pid = ssh("lab1", "systemctl show -p MainPID --value gpufleet-health").strip()
+        return pid if pid not in ("", "0") else None
+    pid = wait(running_pid, 10, 0.05)
+    ssh("lab1", f"kill -9 {pid}")
+    # the next run (the timer, or now) works and its files parse
+    out = ssh("lab1", "systemctl start gpufleet-health.service; systemctl is-failed "
+                      "gpufleet-health.service; cat /var/lib/gpufleet/health-state.json")
+    state = json.loads(out[out.index("{"):])
+    assert "gpufleet-decode.service" in state["units"]
+    metrics = ssh("lab1", "cat /var/lib/node_exporter/textfile_collector/gpufleet.prom")
+    assert re.search(r"^gpufleet_health_ok(\{[^}]*\})? 1$", metrics, re.M), metrics
+    assert health()[0] == 0
+
+
+def test_requests_fail_fast_and_clearly_while_decode_restarts(endpoint):
+    ssh("lab1", "systemctl stop gpufleet-decode.service", check=True)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(openai.APIStatusError) as err:
+            ask(endpoint, timeout=60)
+        took = time.monotonic() - t0
+        print(f"decode down: HTTP {err.value.status_code} after {took:.2f}s: "
+              f"{str(err.value)[:120]}")
+        assert err.value.status_code >= 500 and took < 15
+        code, checks = health()
+        assert code == 1
+        assert any(c["unit"] == "gpufleet-decode.service" and c["status"] == "fail"
+                   for c in checks)
+    finally:
+        ssh("lab1", "systemctl start gpufleet-decode.service", check=True)
+    wait(lambda: ask(endpoint).choices[0].message.content, 60)
+    wait(lambda: health()[0] == 0, 60, 3)
+
+
+def test_the_cache_filesystem_filling_up_is_reported_and_serving_goes_on(endpoint):
+    cache = "/var/cache/gpufleet/hf"
+    free = int(ssh("lab1", f"df --output=avail -B1 {cache} | tail -1"))
+    ssh("lab1", f"fallocate -l {free - 2 * 2**30} {cache}/.fill", check=True)
+    try:
+        code, checks = health()
+        cache_check = next(c for c in checks if c["check"] == "cache")
+        print(f"cache full: {cache_check['detail']}")
+        assert code == 1 and cache_check["status"] == "fail"
+        assert "GiB free (minimum" in cache_check["detail"]
+        assert ask(endpoint).choices[0].message.content  # serving is not affected
+    finally:
+        ssh("lab1", f"rm -f {cache}/.fill", check=True)
+    assert health()[0] == 0
+
+
+def test_the_fabric_manager_stopping_is_named_with_the_fix(endpoint):
+    ssh("lab1", "systemctl stop nvidia-fabricmanager.service", check=True)
+    try:
+        code, checks = health()
+        fm = next(c for c in checks if c["unit"] == "nvidia-fabricmanager.service")
+        print(f"fabric manager stopped: {fm['detail']}")
+        assert code == 1 and fm["status"] == "fail"
+        assert "Fix: start it (systemctl start nvidia-fabricmanager.service" in fm["detail"]
+        assert ask(endpoint).choices[0].message.content
+    finally:
+        ssh("lab1", "systemctl start nvidia-fabricmanager.service", check=True)
+    assert health()[0] == 0
+
+
+# ------------------------------------------------------------------ interrupted deploys
+
+def deploy_killed_at(marker: str, *args: str) -> str:
+    """Run `fab deploy`, SIGKILL it (and Ansible) when a line starts with marker."""
+    proc = subprocess.Popen([str(BIN / "fab"), "deploy", "--target", TARGET, *args], cwd=ROOT,
+                            env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    seen = []
+    try:
+        for line in proc.stdout:
+            seen.append(line)
+            if line.startswith(marker):
+                os.killpg(proc.pid, signal.SIGKILL)
+                break
+    finally:
+        proc.wait(timeout=600)
+    assert seen and seen[-1].startswith(marker), "".join(seen[-40:])
+    return "".join(seen)
+
+
+def test_a_deploy_killed_at_every_play_boundary_then_rerun_converges(endpoint):
+    fab("teardown", "--target", TARGET)
+    plays = ["PLAY [Prepare", "PLAY [Cache", "PLAY [Serve", "PLAY [Smoke", "PLAY [Health"]
+    t0 = time.monotonic()
+    for marker in plays:
+        deploy_killed_at(marker)
+        # nothing half-written: no temporary files next to what Ansible writes
+        left = ssh("lab1", "find /etc/gpufleet /etc/systemd/system /var/lib/gpufleet "
+                           "-name '.ansible_tmp*' -o -name '*.tmp.*' 2>/dev/null")
+        assert left.strip() == "", left
+    proc = fab("deploy", "--target", TARGET)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    print(f"{len(plays)} interrupted deploys and a full one: {time.monotonic() - t0:.0f}s")
+    again = fab("deploy", "--target", TARGET)
+    assert recap(again.stdout)["lab1"]["changed"] == 0, changed_tasks(again.stdout, "lab1")
+
+
+def test_a_change_written_but_not_applied_by_a_killed_deploy_is_applied_by_the_rerun(endpoint):
+    flag = ["--set", "decode:--max-num-seqs=128"]
+    deploy_killed_at("TASK [serve : Serve | Configure | Read the pending restarts]", *flag)
+    # the unit file has the new flag, the running process does not yet
+    assert "--max-num-seqs 128" in ssh("lab1", "systemctl cat gpufleet-decode.service")
+    pid = units()["gpufleet-decode.service"]["main_pid"]
+    assert "128" not in ssh("lab1", f"tr '\\0' ' ' < /proc/{pid}/cmdline")
+    proc = fab("deploy", "--target", TARGET, *flag)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    pid = units()["gpufleet-decode.service"]["main_pid"]
+    assert "--max-num-seqs 128" in ssh("lab1", f"tr '\\0' ' ' < /proc/{pid}/cmdline")
+    assert ssh("lab1", "ls /var/lib/gpufleet/restart-pending").strip() == ""
+    fab("deploy", "--target", TARGET)  # back to the catalog's settings
+
+
+def test_a_decode_host_dropping_off_mid_deploy_is_named_and_a_rerun_converges(lab):
+    target, flag = "sglang-h200-pd", ["--set", "decode:--max-running-requests=128"]
+    proc = fab("deploy", "--target", target)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    lab1_before = digests(["lab1"])
+    pids = ssh("lab1", "systemctl show -p MainPID --value gpufleet-prefill gpufleet-router")
+    link = net.host_link("lab2")
+    t0 = time.monotonic()
+    run = subprocess.Popen([str(BIN / "fab"), "deploy", "--target", target, *flag], cwd=ROOT,
+                           env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out = []
+    try:
+        for line in run.stdout:
+            out.append(line)
+            if line.startswith("PLAY [Serve"):
+                net.ip("link", "set", link, "down", ns=net.LAB_NS)
+        run.wait(timeout=600)
+    finally:
+        net.ip("link", "set", link, "up", ns=net.LAB_NS)
+    text = "".join(out)
+    print(f"lab2 dropped off: deploy failed after {time.monotonic() - t0:.0f}s")
+    assert run.returncode == 1
+    assert "lab2" in text and "UNREACHABLE" in text
+    assert "Fix: check that the host is up" in text
+    # the host that stayed was left as it was, and its processes kept running
+    assert digests(["lab1"]) == lab1_before
+    assert ssh("lab1", "systemctl show -p MainPID --value gpufleet-prefill "
+                       "gpufleet-router") == pids
+    proc = fab("deploy", "--target", target, *flag)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert "--max-running-requests 128" in ssh("lab2", "systemctl cat gpufleet-decode.service")

@@ -51,7 +51,8 @@ def changed_tasks(output: str, host: str) -> list[str]:
 
 HOSTS = ("lab1", "lab2")
 # Everything gpufleet writes on a host (path, size, mtime, mode, owner; directories
-# without mtime, which a file replaced inside them moves) plus the content of /etc. The health timer's own state is left out: it runs every 15 s in the lab and
+# without mtime, which a file replaced inside them moves) plus the content of /etc.
+# The health timer's own state is left out: it runs every 15 s in the lab and
 # rewrites it by design.
 DIGEST = (
     "{ find /etc /opt/gpufleet /var/lib/gpufleet /usr/local/lib/gpufleet /var/cache/gpufleet/hf"

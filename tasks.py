@@ -151,19 +151,23 @@ def deploy(c, target=None, inventory=DEFAULT_INVENTORY, with_="", set_=None, uns
         print(f"warning:  {w}")
 
 
+def _api_key(p, inventory) -> str | None:
+    if not p.api.get("key_required"):
+        return None
+    try:
+        with open(p.api["key_file"]) as fh:
+            return fh.read().strip()
+    except FileNotFoundError:
+        raise Exit(f"gpufleet: no API key yet for {inventory} ({p.api['key_file']}). "
+                   "Fix: run `fab deploy` first; it makes the key", code=1) from None
+
+
 @task(help={"target": PLAN_HELP["target"], "inventory": PLAN_HELP["inventory"],
             "format": "text (default), json, or env (OPENAI_BASE_URL/OPENAI_API_KEY lines)"})
 def endpoint(c, target=None, inventory=DEFAULT_INVENTORY, format="text"):
     """The deployment's endpoint and API key (made on first deploy, kept 0600 here)."""
     p = _plan(target, inventory)
-    key = None
-    if p.api.get("key_required"):
-        try:
-            with open(p.api["key_file"]) as fh:
-                key = fh.read().strip()
-        except FileNotFoundError:
-            raise Exit(f"gpufleet: no API key yet for {inventory} ({p.api['key_file']}). "
-                       "Fix: run `fab deploy` first; it makes the key", code=1) from None
+    key = _api_key(p, inventory)
     if format == "json":
         print(json.dumps({"endpoint": p.endpoint, "endpoints": p.endpoints,
                           "model": p.model.served_name,
@@ -175,6 +179,28 @@ def endpoint(c, target=None, inventory=DEFAULT_INVENTORY, format="text"):
             print(f"replica:  {other}")
         print(f"endpoint: {p.endpoint}\nmodel:    {p.model.served_name}\n"
               f"api key:  {key or 'none (the deployment was planned with api_key: false)'}")
+
+
+@task(help={"target": PLAN_HELP["target"], "inventory": PLAN_HELP["inventory"],
+            "concurrency": "requests in flight (seed 000: 16)",
+            "prompts": "requests in all (seed 000: 64)",
+            "input_len": "prompt tokens (seed 000: 8192)",
+            "output_len": "generated tokens (seed 000: 1024)",
+            "out": "where the JSON goes (default bench/results/serving-TARGET.json)"})
+def bench(c, target=None, inventory=DEFAULT_INVENTORY, concurrency=16, prompts=64,
+          input_len=8192, output_len=1024, out=None):
+    """Load-test the deployed endpoint in seed 000's shape with AIPerf: TTFT, ITL, tok/s."""
+    from gpufleet import bench as bench_mod
+
+    p = _plan(target, inventory)
+    key = _api_key(p, inventory)
+    try:
+        result = bench_mod.run(p, key, concurrency=int(concurrency), prompts=int(prompts),
+                               input_len=int(input_len), output_len=int(output_len),
+                               lab=bench_mod.is_lab(inventory), out=out)
+    except bench_mod.BenchError as exc:
+        raise Exit(f"gpufleet: bench: {exc}", code=1) from None
+    print(bench_mod.render(result))
 
 
 @task(help={"target": PLAN_HELP["target"], "inventory": PLAN_HELP["inventory"],
@@ -303,6 +329,6 @@ def health(c, target=None, inventory=DEFAULT_INVENTORY, format="text"):
         raise Exit(code=1)
 
 
-ns = Collection(targets, plan, deploy, endpoint, prepare, cache, smoke, status, logs, restart,
-                teardown, health)
+ns = Collection(targets, plan, deploy, endpoint, bench, prepare, cache, smoke, status, logs,
+                restart, teardown, health)
 ns.add_collection(lab)

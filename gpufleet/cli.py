@@ -92,7 +92,7 @@ def build(target: str | None, inventory_path: str | None, with_: str = "",
     inventory = inv_mod.load(inventory_path) if inventory_path else None
     name = target_from(inventory, target)
     overrides = overrides_from(inventory, split_csv(with_), parse_set(set_ or [], unset or []))
-    return make_plan(name, inventory, Overrides(**overrides) if overrides else None)
+    return make_plan(name, inventory, overrides or None)
 
 
 def targets_table() -> list[dict]:

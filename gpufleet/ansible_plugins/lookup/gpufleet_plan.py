@@ -58,7 +58,7 @@ class LookupModule(LookupBase):
         try:
             name = cli.target_from(inventory, target)
             overrides = cli.overrides_from(inventory, [], {})
-            plan = cli.make_plan(name, inventory, cli.Overrides(**overrides))
+            plan = cli.make_plan(name, inventory, overrides)
         except PlanError as exc:
             raise AnsibleError(f"gpufleet: refusing, nothing was changed:\n{exc}") from None
         return [plan.to_json()]

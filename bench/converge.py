@@ -1,0 +1,199 @@
+#!/usr/bin/env python3
+"""Converge benchmark on the lab: how site.yml's time grows with hosts, what the
+project's ansible.cfg buys over Ansible's defaults, deploy overhead, change cost and
+the fleet health sweep. Every figure comes from one run on this machine; the goals
+are ratios within that run, since the machine is noisy.
+
+For each size N (default 1, 4, 8, 16) the lab is rebuilt with N fresh hosts and the
+target (default h200-pd-1node) is deployed as replicas, one copy per host:
+
+- first deploy: site.yml up to the passing smoke test and the health timer, with
+  Ansible's per-task timings; the engines' own start time (the serve role's
+  readiness waits) is subtracted to give gpufleet's overhead
+- no-op re-run with the project's ansible.cfg, and (at --defaults-at sizes) with
+  Ansible's defaults: forks 5, no pipelining, no SSH multiplexing, no fact cache
+- change cost: one flag changed on decode; units restarted and wall time
+- fleet health: `fab health` over all hosts
+
+    python bench/converge.py [--sizes 1,4,8,16] [--defaults-at 1,16]
+                             [--out bench/results/converge.json]
+
+Needs root (the lab). Leaves the lab up with the largest size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import configparser
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+TARGET = "h200-pd-1node"
+CHANGE = {"decode": {"--max-num-seqs": 256}}
+# the serve role's readiness waits: the engines' and routers' own start time
+WAIT_TASK = re.compile(r"Serve \| (Ready|Service \| Wait until ready)")
+
+
+def log(msg: str) -> None:
+    print(f"[converge] {msg}", file=sys.stderr, flush=True)
+
+
+def run(cmd: list[str], env: dict | None = None, check: bool = True) -> tuple[float, str]:
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **(env or {})},
+                          capture_output=True, text=True, check=False)
+    took = time.monotonic() - t0
+    if check and proc.returncode != 0:
+        sys.exit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}"
+                 f"\n{proc.stderr[-2000:]}")
+    return took, proc.stdout + proc.stderr
+
+
+def changed(output: str) -> int:
+    return sum(int(n) for n in re.findall(r"^\S+\s+:\s+ok=\d+\s+changed=(\d+)", output, re.M))
+
+
+def task_times(output: str) -> list[tuple[str, float]]:
+    """profile_tasks' summary: (task name, seconds)."""
+    return [(name.strip(), float(sec)) for name, sec in
+            re.findall(r"^(.+?) -{2,} (\d+\.\d+)s\s*$", output, re.M)]
+
+
+def inventory(workdir: Path, n: int, args: dict | None = None) -> str:
+    """The lab's inventory with every host in `workers` and one copy per host."""
+    dst = workdir / f"lab-{n}"
+    shutil.rmtree(dst, ignore_errors=True)
+    shutil.copytree(ROOT / "inventories" / "lab", dst)
+    hosts = yaml.safe_load((dst / "hosts.yml").read_text())
+    names = list(hosts["all"]["children"]["lab"]["hosts"])
+    hosts["all"]["children"] = {"lab": hosts["all"]["children"]["lab"],
+                                "workers": {"hosts": {h: {} for h in names}}}
+    (dst / "hosts.yml").write_text(yaml.safe_dump(hosts))
+    group_vars = yaml.safe_load((dst / "group_vars" / "all.yml").read_text())
+    group_vars.update(gpufleet_target=TARGET, gpufleet_replicas=True)
+    if args:
+        group_vars["gpufleet_args"] = args
+    (dst / "group_vars" / "all.yml").write_text(yaml.safe_dump(group_vars))
+    return str(dst)
+
+
+def defaults_cfg(workdir: Path) -> str:
+    """ansible.cfg with Ansible's default performance settings (paths kept)."""
+    cfg = configparser.ConfigParser(interpolation=None)
+    cfg.read(ROOT / "ansible.cfg")
+    for key in ("forks", "gathering", "fact_caching", "fact_caching_connection",
+                "fact_caching_timeout"):
+        cfg.remove_option("defaults", key)
+    cfg["ssh_connection"] = {"pipelining": "False", "ssh_args": "-o ControlMaster=no"}
+    for key in ("roles_path", "library", "module_utils", "lookup_plugins", "filter_plugins"):
+        cfg["defaults"][key] = str(ROOT / cfg["defaults"][key])
+    path = workdir / "ansible-defaults.cfg"
+    with path.open("w") as fh:
+        cfg.write(fh)
+    return str(path)
+
+
+def site(inv: str, cfg: str, profile: bool = False) -> tuple[float, str]:
+    env = {"ANSIBLE_CONFIG": cfg, "NO_COLOR": "1"}
+    if profile:
+        env["ANSIBLE_CALLBACKS_ENABLED"] = "ansible.posix.profile_tasks"
+        env["PROFILE_TASKS_TASK_OUTPUT_LIMIT"] = "all"
+    return run([str(BIN / "ansible-playbook"), "-i", inv, "site.yml"], env)
+
+
+def main_pids(hosts: list[str]) -> dict[str, str]:
+    from gpufleet.lab.hosts import ssh_cmd
+    out = {}
+    for h in hosts:
+        proc = subprocess.run(ssh_cmd(h, "systemctl show -p Id,MainPID 'gpufleet-*.service'"),
+                              capture_output=True, text=True, check=True)
+        for block in proc.stdout.strip().split("\n\n"):
+            fields = dict(line.split("=", 1) for line in block.splitlines() if "=" in line)
+            out[f"{h}/{fields['Id']}"] = fields["MainPID"]
+    return out
+
+
+def bench_size(n: int, workdir: Path, with_defaults: bool) -> dict:
+    log(f"lab with {n} host(s)")
+    run([str(BIN / "fab"), "lab.up", "--hosts", str(n)])
+    inv = inventory(workdir, n)
+    ours = str(ROOT / "ansible.cfg")
+    first, out = site(inv, ours, profile=True)
+    waits = sum(s for name, s in task_times(out) if WAIT_TASK.search(name))
+    log(f"{n}: first deploy {first:.1f}s (readiness waits {waits:.1f}s)")
+    noop, out = site(inv, ours)
+    result = {"hosts": n, "first_deploy_s": round(first, 1),
+              "engine_start_s": round(waits, 1), "overhead_s": round(first - waits, 1),
+              "noop_rerun_s": round(noop, 1), "noop_changed": changed(out)}
+    log(f"{n}: no-op re-run {noop:.1f}s, changed={result['noop_changed']}")
+    if with_defaults:
+        slow, out = site(inv, defaults_cfg(workdir))
+        result.update(noop_rerun_defaults_s=round(slow, 1),
+                      config_speedup=round(slow / noop, 2))
+        log(f"{n}: no-op re-run with Ansible's defaults {slow:.1f}s")
+    hosts = [f"lab{i}" for i in range(1, n + 1)]
+    before = main_pids(hosts)
+    took, _ = site(inventory(workdir, n, CHANGE), ours)
+    after = main_pids(hosts)
+    restarted = sorted(k for k in after if after[k] != before.get(k))
+    expected = sorted(f"{h}/gpufleet-decode.service" for h in hosts)
+    result.update(change_s=round(took, 1), change_restarted=restarted,
+                  change_restarted_exactly_affected=restarted == expected)
+    log(f"{n}: one-flag change {took:.1f}s, restarted {len(restarted)} unit(s)")
+    health, _ = run([str(BIN / "fab"), "health", "-i", inventory(workdir, n, CHANGE)])
+    result["fleet_health_s"] = round(health, 2)
+    log(f"{n}: fab health {health:.2f}s")
+    return result
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--sizes", default="1,4,8,16")
+    p.add_argument("--defaults-at", default="1,16", help="sizes that also run the defaults")
+    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "converge.json"))
+    args = p.parse_args()
+    sizes = [int(x) for x in args.sizes.split(",")]
+    with_defaults = {int(x) for x in args.defaults_at.split(",") if x}
+    results = []
+    with tempfile.TemporaryDirectory(prefix="gpufleet-bench-") as tmp:
+        for n in sizes:
+            results.append(bench_size(n, Path(tmp), n in with_defaults))
+    base, top = results[0], results[-1]
+    summary = {
+        "machine": f"{os.cpu_count()} cores, {os.uname().release}",
+        "target": TARGET, "sizes": results,
+        "noop_scaling": round(top["noop_rerun_s"] / base["noop_rerun_s"], 2),
+        "goal_noop_scaling_max": 2.0,
+        "goal_config_speedup_min": 2.0,
+        "goal_overhead_max_s": 120,
+        "goal_fleet_health_max_s": 3.0,
+    }
+    print(f"{'hosts':>5} {'first':>8} {'engines':>8} {'overhead':>8} {'no-op':>7} "
+          f"{'defaults':>8} {'speedup':>7} {'change':>7} {'restarts':>8} {'health':>7}")
+    for r in results:
+        print(f"{r['hosts']:>5} {r['first_deploy_s']:>7.1f}s {r['engine_start_s']:>7.1f}s "
+              f"{r['overhead_s']:>7.1f}s {r['noop_rerun_s']:>6.1f}s "
+              f"{r.get('noop_rerun_defaults_s', float('nan')):>7.1f}s "
+              f"{r.get('config_speedup', float('nan')):>6.2f}x {r['change_s']:>6.1f}s "
+              f"{len(r['change_restarted']):>8} {r['fleet_health_s']:>6.2f}s")
+    print(f"no-op re-run, {top['hosts']} hosts vs {base['hosts']}: "
+          f"{summary['noop_scaling']}x (goal <= 2x)")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(summary, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -13,7 +13,7 @@ import yaml
 
 from . import catalog as cat
 from . import inventory as inv_mod
-from .plan import Overrides, Plan, PlanError, Problem, make_plan
+from .plan import Plan, PlanError, Problem, make_plan
 
 # inventory variable -> Overrides field
 INVENTORY_OVERRIDES = {

@@ -531,7 +531,9 @@ def _host_requirements(plan: Plan, inventory: inv_mod.Inventory) -> dict[str, di
                        "packages": engine.packages,
                        "pins": [f"{k}=={v}" for k, v in engine.packages.items()]},
             "flashinfer_floor": engine.flashinfer_floor,
-            "cache": {"path": plan.cache["path"], "min_free_gib": plan.cache["min_free_gib"]},
+            "cache": {"path": plan.cache["path"], "min_free_gib": plan.cache["min_free_gib"],
+                      "models": [{"repo": m["repo"], "revision": m["revision"]}
+                                 for m in plan.cache["models"]]},
             "ucx_env": ucx,
         }
         engines_here = [plan_catalog.engines[p.role] if p.role in OWN_PROGRAM else engine

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import yaml
 
 from gpufleet.lab import hosts as lab_hosts
 
@@ -66,3 +69,31 @@ DIGEST = (
 def digests(hosts=HOSTS) -> dict[str, str]:
     """host -> digest of its gpufleet files; equal before and after = nothing changed."""
     return {h: ssh(h, DIGEST, check=True).split()[0] for h in hosts}
+
+
+def lab_inventory(tmp_path: Path, all_vars: dict | None = None, host_vars: dict | None = None,
+                  groups: dict | None = None) -> str:
+    """A copy of the lab's inventory with variables changed (None removes one), hosts
+    added or changed, or the groups replaced; returns its path."""
+    dst = tmp_path / "inventory"
+    shutil.copytree(ROOT / "inventories" / "lab", dst)
+    hosts = yaml.safe_load((dst / "hosts.yml").read_text())
+    lab_hosts = hosts["all"]["children"]["lab"]["hosts"]
+    for name, values in (host_vars or {}).items():
+        base = lab_hosts.setdefault(name, dict(lab_hosts["lab1"]))
+        for key, value in values.items():
+            if value is None:
+                base.pop(key, None)
+            else:
+                base[key] = value
+    for group, members in (groups or {}).items():
+        hosts["all"]["children"][group] = {"hosts": {h: {} for h in members}}
+    (dst / "hosts.yml").write_text(yaml.safe_dump(hosts))
+    group_vars = yaml.safe_load((dst / "group_vars" / "all.yml").read_text())
+    for key, value in (all_vars or {}).items():
+        if value is None:
+            group_vars.pop(key, None)
+        else:
+            group_vars[key] = value
+    (dst / "group_vars" / "all.yml").write_text(yaml.safe_dump(group_vars))
+    return str(dst)

@@ -10,13 +10,10 @@ refused by preflight (controller or hosts), still before any change.
 
 from __future__ import annotations
 
-import shutil
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import pytest
-import yaml
-from labutil import ROOT, digests, fab, ssh
+from labutil import digests, fab, lab_inventory, ssh
 
 pytestmark = pytest.mark.lab
 
@@ -112,33 +109,6 @@ CASES = {
 }
 
 
-def inventory(tmp_path: Path, case: Case) -> str:
-    src = ROOT / "inventories" / "lab"
-    dst = tmp_path / "inventory"
-    shutil.copytree(src, dst)
-    hosts = yaml.safe_load((dst / "hosts.yml").read_text())
-    lab_hosts = hosts["all"]["children"]["lab"]["hosts"]
-    for name, values in case.host_vars.items():
-        base = lab_hosts.setdefault(name, dict(lab_hosts["lab1"]))
-        for key, value in values.items():
-            if value is None:
-                base.pop(key, None)
-            else:
-                base[key] = value
-    if case.groups is not None:
-        for group in ("workers", "prefill", "decode"):
-            hosts["all"]["children"][group] = {"hosts": {h: {} for h in case.groups[group]}}
-    (dst / "hosts.yml").write_text(yaml.safe_dump(hosts))
-    group_vars = yaml.safe_load((dst / "group_vars" / "all.yml").read_text())
-    for key, value in case.all_vars.items():
-        if value is None:
-            group_vars.pop(key, None)
-        else:
-            group_vars[key] = value
-    (dst / "group_vars" / "all.yml").write_text(yaml.safe_dump(group_vars))
-    return str(dst)
-
-
 @pytest.fixture(scope="module")
 def deployed(lab):
     proc = fab("deploy", "--target", "h200-pd-1node")
@@ -155,7 +125,7 @@ def test_bad_input_is_refused_and_no_host_changes(deployed, tmp_path, name):
     case = CASES[name]
     args = list(case.args)
     if "-i" not in args and (case.all_vars or case.host_vars or case.groups is not None):
-        args += ["-i", inventory(tmp_path, case)]
+        args += ["-i", lab_inventory(tmp_path, case.all_vars, case.host_vars, case.groups)]
     if case.squat:
         ssh("lab1", f"systemd-run --unit squatter-{case.squat} "
                     f"python3 -m http.server {case.squat}", check=True)

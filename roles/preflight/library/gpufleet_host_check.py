@@ -62,6 +62,10 @@ cache_free_gib:
   description: Free GiB on the cache path's filesystem (C(check=host) with C(cache_path)).
   returned: when measured
   type: float
+cache_missing_share:
+  description: Share of the plan's checkpoints not complete in the cache (complete = no room).
+  returned: when measured
+  type: float
 cache_probe_path:
   description: The existing directory that was measured.
   returned: when measured
@@ -69,6 +73,8 @@ cache_probe_path:
 """
 
 import copy  # noqa: E402 (Ansible modules keep DOCUMENTATION first)
+import glob  # noqa: E402
+import json  # noqa: E402
 import os  # noqa: E402
 
 from ansible.module_utils.basic import AnsibleModule  # noqa: E402
@@ -84,6 +90,28 @@ def nearest_existing(path):
             break
         probe = parent
     return probe
+
+
+def missing_share(cache_path, models):
+    """Share (0..1) of the plan's checkpoints not yet complete in the cache: a model with
+    a complete gpufleet manifest for its revision needs no room at all."""
+    if not models:
+        return 1.0
+    missing = 0
+    for model in models:
+        repo_dir = os.path.join(cache_path, "hub", "models--" + model["repo"].replace("/", "--"))
+        complete = False
+        for manifest in glob.glob(os.path.join(repo_dir, ".gpufleet-manifest-*.json")):
+            try:
+                with open(manifest) as fh:
+                    data = json.load(fh)
+            except (OSError, ValueError):
+                continue
+            if data.get("complete") and model["revision"] in (data.get("revision"),
+                                                              data.get("commit")):
+                complete = True
+        missing += 0 if complete else 1
+    return missing / len(models)
 
 
 def free_gib(path):
@@ -117,9 +145,12 @@ def main():
             free = round(free_gib(probe), 1)
         except OSError as exc:
             module.fail_json(msg=f"cannot measure free space on {probe}: {exc}")
-        result.update(cache_free_gib=free, cache_probe_path=probe)
+        missing = missing_share(params["cache_path"], req.get("cache", {}).get("models"))
+        result.update(cache_free_gib=free, cache_probe_path=probe, cache_missing_share=missing)
     if params["cache_min_free_gib"] is not None:
         req.setdefault("cache", {})["min_free_gib"] = params["cache_min_free_gib"]
+    elif free is not None and req.get("cache", {}).get("min_free_gib") is not None:
+        req["cache"]["min_free_gib"] = round(req["cache"]["min_free_gib"] * missing, 1)
     result["problems"] = check_host(req, params["gpu"], params["ib"], params["cpu_arch"], free,
                                     listening=listeners(), cache_probe=probe)
     module.exit_json(**result)

@@ -431,8 +431,15 @@ class Fetch:
 
     def save_manifest(self, sha: str, entries: dict, complete: bool):
         data = {"repo": self.args.repo, "revision": self.args.revision, "commit": sha,
-                "endpoint": self.args.endpoint, "complete": complete, "written_at": now_iso(),
+                "endpoint": self.args.endpoint, "complete": complete,
                 "files": [entries[k] for k in sorted(entries)]}
+        try:  # unchanged: leave the file as it is (a re-run touches nothing)
+            old = json.loads(self.manifest_path(sha).read_text())
+            if {k: v for k, v in old.items() if k != "written_at"} == data:
+                return
+        except (OSError, ValueError):
+            pass
+        data["written_at"] = now_iso()
         self.repo_dir.mkdir(parents=True, exist_ok=True)
         atomic_write(self.manifest_path(sha), (json.dumps(data, indent=1) + "\n").encode())
 
@@ -645,6 +652,8 @@ class Fetch:
     def write_ref(self, sha: str):
         if self.args.revision != sha:
             ref = self.repo_dir / "refs" / self.args.revision
+            if ref.is_file() and ref.read_text() == sha:
+                return
             ref.parent.mkdir(parents=True, exist_ok=True)
             atomic_write(ref, sha.encode())
 

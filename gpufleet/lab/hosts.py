@@ -470,6 +470,8 @@ def start_host(host: dict, hdir: Path, root: Path) -> int:
         "--register=no",
         "--keep-unit",
         f"--network-namespace-path=/run/netns/{net.host_ns(host['name'])}",
+        # a host administers its own network namespace (nftables, as on a server)
+        "--capability=CAP_NET_ADMIN",
         "--resolv-conf=off",
         "--timezone=off",
         "--link-journal=no",

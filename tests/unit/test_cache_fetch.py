@@ -381,3 +381,15 @@ def test_access_only_checks_without_writing_or_downloading(mirror, tmp_path, rep
     assert mirror.stats.snapshot()["bytes_sent"] == 0
     for token in (TOKEN, WRONG_TOKEN):
         assert token not in out
+
+
+def test_a_rerun_on_a_complete_cache_rewrites_no_file(mirror, tmp_path):
+    """Not even the manifest or the ref: a re-deploy leaves the shared cache as it was."""
+    code, _, out = run(mirror, tmp_path, FLASH)
+    assert code == 0, out
+    before = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*") if not p.is_dir()}
+    time.sleep(0.05)
+    code, summary, out = run(mirror, tmp_path, FLASH)
+    assert code == 0 and summary["changed"] is False, out
+    after = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*") if not p.is_dir()}
+    assert after == before

@@ -132,13 +132,16 @@ def bench_size(n: int, workdir: Path, with_defaults: bool) -> dict:
     first, out = site(inv, ours, profile=True)
     waits = sum(s for name, s in task_times(out) if WAIT_TASK.search(name))
     log(f"{n}: first deploy {first:.1f}s (readiness waits {waits:.1f}s)")
-    noop, out = site(inv, ours)
+    slowest_first = sorted(task_times(out), key=lambda t: -t[1])[:5]
+    noop, out = site(inv, ours, profile=True)
     result = {"hosts": n, "first_deploy_s": round(first, 1),
               "engine_start_s": round(waits, 1), "overhead_s": round(first - waits, 1),
-              "noop_rerun_s": round(noop, 1), "noop_changed": changed(out)}
+              "noop_rerun_s": round(noop, 1), "noop_changed": changed(out),
+              "slowest_tasks_first": slowest_first,
+              "slowest_tasks_noop": sorted(task_times(out), key=lambda t: -t[1])[:5]}
     log(f"{n}: no-op re-run {noop:.1f}s, changed={result['noop_changed']}")
     if with_defaults:
-        slow, out = site(inv, defaults_cfg(workdir))
+        slow, out = site(inv, defaults_cfg(workdir), profile=True)  # as ours: same callback
         result.update(noop_rerun_defaults_s=round(slow, 1),
                       config_speedup=round(slow / noop, 2))
         log(f"{n}: no-op re-run with Ansible's defaults {slow:.1f}s")

@@ -171,6 +171,7 @@ def deploy_killed_at(marker: str, *args: str) -> str:
     return "".join(seen)
 
 
+@pytest.mark.slow
 def test_a_deploy_killed_at_every_play_boundary_then_rerun_converges(endpoint):
     fab("teardown", "--target", TARGET)
     plays = ["PLAY [Prepare", "PLAY [Cache", "PLAY [Serve", "PLAY [Smoke", "PLAY [Health"]
@@ -203,6 +204,7 @@ def test_a_change_written_but_not_applied_by_a_killed_deploy_is_applied_by_the_r
     fab("deploy", "--target", TARGET)  # back to the catalog's settings
 
 
+@pytest.mark.slow
 def test_a_decode_host_dropping_off_mid_deploy_is_named_and_a_rerun_converges(lab):
     target, flag = "sglang-h200-pd", ["--set", "decode:--max-running-requests=128"]
     proc = fab("deploy", "--target", target)

@@ -55,8 +55,10 @@ def run(cmd: list[str], env: dict | None = None, check: bool = True) -> tuple[fl
                           capture_output=True, text=True, check=False)
     took = time.monotonic() - t0
     if check and proc.returncode != 0:
-        sys.exit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}"
-                 f"\n{proc.stderr[-2000:]}")
+        failures = re.findall(r"^(?:fatal|failed): .*?(?=^TASK|^PLAY|\Z)", proc.stdout, re.M | re.S)
+        sys.exit(f"{' '.join(cmd)} failed ({proc.returncode}):\n"
+                 + ("\n".join(f[:2000] for f in failures) or proc.stdout[-3000:])
+                 + f"\n{proc.stderr[-2000:]}")
     return took, proc.stdout + proc.stderr
 
 
@@ -169,9 +171,12 @@ def main() -> int:
     sizes = [int(x) for x in args.sizes.split(",")]
     with_defaults = {int(x) for x in args.defaults_at.split(",") if x}
     results = []
+    partial = Path(args.out).with_suffix(".partial.json")
     with tempfile.TemporaryDirectory(prefix="gpufleet-bench-") as tmp:
         for n in sizes:
             results.append(bench_size(n, Path(tmp), n in with_defaults))
+            partial.write_text(json.dumps(results, indent=2) + "\n")  # kept if a size fails
+    partial.unlink()
     base, top = results[0], results[-1]
     summary = {
         "machine": f"{os.cpu_count()} cores, {os.uname().release}",

@@ -83,7 +83,8 @@ CASES = {
         VLLM_PD, ["v0.0-nope", "Fix: check gpufleet_model_revision"], rc=1,
         all_vars={"gpufleet_model_revision": "v0.0-nope"}),
     "token-refused": Case(
-        VLLM_PD, ["refused the token", "Fix: set gpufleet_hf_token"], rc=1,
+        VLLM_PD, ["refused the token", "Fix: set HF_TOKEN on the controller or gpufleet_hf_token"],
+        rc=1,
         env={"HF_TOKEN": "hf_thisIsNotAValidToken000000000000"}),
     "port-in-use": Case(
         VLLM_PD, ["port 8003 is already in use by python3", "squatter-8003.service",

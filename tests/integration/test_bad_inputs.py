@@ -85,7 +85,7 @@ CASES = {
     "token-refused": Case(
         VLLM_PD, ["refused the token", "Fix: set HF_TOKEN on the controller or gpufleet_hf_token"],
         rc=1,
-        env={"HF_TOKEN": "hf_thisIsNotAValidToken000000000000"}),
+        env={"HF_TOKEN": "not-a-real-token-the-mirror-refuses"}),
     "port-in-use": Case(
         VLLM_PD, ["port 8003 is already in use by python3", "squatter-8003.service",
                   "Fix: stop it"], rc=1,

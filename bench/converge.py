@@ -12,11 +12,18 @@ target (default h200-pd-1node) is deployed as replicas, one copy per host:
   readiness waits) is subtracted to give gpufleet's overhead
 - no-op re-run with the project's ansible.cfg, and (at --defaults-at sizes) with
   Ansible's defaults: forks 5, no pipelining, no SSH multiplexing, no fact cache
+- no-op re-run with Mitogen's strategy plugin (at --mitogen-at sizes), the option
+  the issue asks to weigh; installed from PyPI into .cache/mitogen, never used by fab
 - change cost: one flag changed on decode; units restarted and wall time
 - fleet health: `fab health` over all hosts
 
-    python bench/converge.py [--sizes 1,4,8,16] [--defaults-at 1,16]
-                             [--out bench/results/converge.json]
+Each no-op run also records CPU seconds: the controller's (ansible-playbook, its
+workers and ssh clients) and the whole machine's; on this machine the lab hosts share
+the controller's cores, so what grows with N is told apart from what would run on the
+hosts' own CPUs in a real fleet.
+
+    python bench/converge.py [--sizes 1,4,8,16] [--defaults-at 1,4]
+                             [--mitogen-at 1,16] [--out bench/results/converge.json]
 
 Needs root (the lab). Leaves the lab up with the largest size.
 """
@@ -28,6 +35,7 @@ import configparser
 import json
 import os
 import re
+import resource
 import shutil
 import subprocess
 import sys
@@ -41,6 +49,7 @@ ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 TARGET = "h200-pd-1node"
 CHANGE = {"decode": {"--max-num-seqs": 256}}
+MITOGEN = "mitogen==0.3.54"
 # the serve role's readiness waits: the engines' and routers' own start time
 WAIT_TASK = re.compile(r"Serve \| (Ready|Service \| Wait until ready)")
 
@@ -49,11 +58,29 @@ def log(msg: str) -> None:
     print(f"[converge] {msg}", file=sys.stderr, flush=True)
 
 
+def machine_cpu_s() -> float:
+    """CPU seconds the whole machine spent busy since boot (/proc/stat)."""
+    with open("/proc/stat") as fh:
+        fields = [int(x) for x in fh.readline().split()[1:]]
+    busy = sum(fields) - fields[3] - fields[4]  # all but idle and iowait
+    return busy / os.sysconf("SC_CLK_TCK")
+
+
+def controller_cpu_s() -> float:
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime
+
+
+LAST_CPU: dict[str, float] = {}
+
+
 def run(cmd: list[str], env: dict | None = None, check: bool = True) -> tuple[float, str]:
-    t0 = time.monotonic()
+    t0, m0, c0 = time.monotonic(), machine_cpu_s(), controller_cpu_s()
     proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **(env or {})},
                           capture_output=True, text=True, check=False)
     took = time.monotonic() - t0
+    LAST_CPU.update(controller_cpu_s=round(controller_cpu_s() - c0, 1),
+                    machine_cpu_s=round(machine_cpu_s() - m0, 1))
     if check and proc.returncode != 0:
         failures = re.findall(r"^(?:fatal|failed): .*?(?=^TASK|^PLAY|\Z)", proc.stdout, re.M | re.S)
         sys.exit(f"{' '.join(cmd)} failed ({proc.returncode}):\n"
@@ -106,8 +133,22 @@ def defaults_cfg(workdir: Path) -> str:
     return str(path)
 
 
-def site(inv: str, cfg: str, profile: bool = False) -> tuple[float, str]:
-    env = {"ANSIBLE_CONFIG": cfg, "NO_COLOR": "1"}
+def mitogen_env(workdir: Path) -> dict:
+    """Ansible settings for Mitogen's linear strategy (pip --target, not in .venv)."""
+    target = ROOT / ".cache" / "mitogen"
+    if not (target / "ansible_mitogen").is_dir():
+        log(f"installing {MITOGEN} into {target}")
+        run([str(BIN / "python"), "-m", "pip", "install", "--quiet", "--target", str(target),
+             MITOGEN])
+    # Mitogen's own ssh reads host_key_checking, not the lab's StrictHostKeyChecking=no
+    # ssh argument: one of the behaviour differences weighed in docs/performance.md
+    return {"ANSIBLE_STRATEGY_PLUGINS": str(target / "ansible_mitogen/plugins/strategy"),
+            "ANSIBLE_STRATEGY": "mitogen_linear", "ANSIBLE_HOST_KEY_CHECKING": "False"}
+
+
+def site(inv: str, cfg: str, profile: bool = False,
+         extra: dict | None = None) -> tuple[float, str]:
+    env = {"ANSIBLE_CONFIG": cfg, "NO_COLOR": "1", **(extra or {})}
     if profile:
         env["ANSIBLE_CALLBACKS_ENABLED"] = "ansible.posix.profile_tasks"
         env["PROFILE_TASKS_TASK_OUTPUT_LIMIT"] = "all"
@@ -126,7 +167,7 @@ def main_pids(hosts: list[str]) -> dict[str, str]:
     return out
 
 
-def bench_size(n: int, workdir: Path, with_defaults: bool) -> dict:
+def bench_size(n: int, workdir: Path, with_defaults: bool, with_mitogen: bool) -> dict:
     log(f"lab with {n} host(s)")
     run([str(BIN / "fab"), "lab.up", "--hosts", str(n)])
     inv = inventory(workdir, n)
@@ -139,6 +180,7 @@ def bench_size(n: int, workdir: Path, with_defaults: bool) -> dict:
     result = {"hosts": n, "first_deploy_s": round(first, 1),
               "engine_start_s": round(waits, 1), "overhead_s": round(first - waits, 1),
               "noop_rerun_s": round(noop, 1), "noop_changed": changed(out),
+              "noop_cpu": dict(LAST_CPU),
               "slowest_tasks_first": slowest_first,
               "slowest_tasks_noop": sorted(task_times(out), key=lambda t: -t[1])[:5]}
     log(f"{n}: no-op re-run {noop:.1f}s, changed={result['noop_changed']}")
@@ -147,6 +189,11 @@ def bench_size(n: int, workdir: Path, with_defaults: bool) -> dict:
         result.update(noop_rerun_defaults_s=round(slow, 1),
                       config_speedup=round(slow / noop, 2))
         log(f"{n}: no-op re-run with Ansible's defaults {slow:.1f}s")
+    if with_mitogen:
+        fast, out = site(inv, ours, profile=True, extra=mitogen_env(workdir))
+        result.update(noop_rerun_mitogen_s=round(fast, 1), noop_changed_mitogen=changed(out),
+                      noop_cpu_mitogen=dict(LAST_CPU))
+        log(f"{n}: no-op re-run with Mitogen {fast:.1f}s, changed={changed(out)}")
     hosts = [f"lab{i}" for i in range(1, n + 1)]
     before = main_pids(hosts)
     took, _ = site(inventory(workdir, n, CHANGE), ours)
@@ -165,16 +212,18 @@ def bench_size(n: int, workdir: Path, with_defaults: bool) -> dict:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", default="1,4,8,16")
-    p.add_argument("--defaults-at", default="1,16", help="sizes that also run the defaults")
+    p.add_argument("--defaults-at", default="1,4", help="sizes that also run the defaults")
+    p.add_argument("--mitogen-at", default="1,16", help="sizes that also run Mitogen")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "converge.json"))
     args = p.parse_args()
     sizes = [int(x) for x in args.sizes.split(",")]
     with_defaults = {int(x) for x in args.defaults_at.split(",") if x}
+    with_mitogen = {int(x) for x in args.mitogen_at.split(",") if x}
     results = []
     partial = Path(args.out).with_suffix(".partial.json")
     with tempfile.TemporaryDirectory(prefix="gpufleet-bench-") as tmp:
         for n in sizes:
-            results.append(bench_size(n, Path(tmp), n in with_defaults))
+            results.append(bench_size(n, Path(tmp), n in with_defaults, n in with_mitogen))
             partial.write_text(json.dumps(results, indent=2) + "\n")  # kept if a size fails
     partial.unlink()
     base, top = results[0], results[-1]
@@ -182,21 +231,29 @@ def main() -> int:
         "machine": f"{os.cpu_count()} cores, {os.uname().release}",
         "target": TARGET, "sizes": results,
         "noop_scaling": round(top["noop_rerun_s"] / base["noop_rerun_s"], 2),
+        "noop_controller_cpu_scaling": round(top["noop_cpu"]["controller_cpu_s"]
+                                             / base["noop_cpu"]["controller_cpu_s"], 2),
         "goal_noop_scaling_max": 2.0,
         "goal_config_speedup_min": 2.0,
         "goal_overhead_max_s": 120,
         "goal_fleet_health_max_s": 3.0,
     }
+    nan = float("nan")
     print(f"{'hosts':>5} {'first':>8} {'engines':>8} {'overhead':>8} {'no-op':>7} "
-          f"{'defaults':>8} {'speedup':>7} {'change':>7} {'restarts':>8} {'health':>7}")
+          f"{'cpu ctl/all':>12} {'defaults':>8} {'speedup':>7} {'mitogen':>7} "
+          f"{'change':>7} {'restarts':>8} {'health':>7}")
     for r in results:
+        cpu = r["noop_cpu"]
         print(f"{r['hosts']:>5} {r['first_deploy_s']:>7.1f}s {r['engine_start_s']:>7.1f}s "
               f"{r['overhead_s']:>7.1f}s {r['noop_rerun_s']:>6.1f}s "
-              f"{r.get('noop_rerun_defaults_s', float('nan')):>7.1f}s "
-              f"{r.get('config_speedup', float('nan')):>6.2f}x {r['change_s']:>6.1f}s "
+              f"{cpu['controller_cpu_s']:>5.0f}/{cpu['machine_cpu_s']:<5.0f}s "
+              f"{r.get('noop_rerun_defaults_s', nan):>7.1f}s "
+              f"{r.get('config_speedup', nan):>6.2f}x "
+              f"{r.get('noop_rerun_mitogen_s', nan):>6.1f}s {r['change_s']:>6.1f}s "
               f"{len(r['change_restarted']):>8} {r['fleet_health_s']:>6.2f}s")
     print(f"no-op re-run, {top['hosts']} hosts vs {base['hosts']}: "
-          f"{summary['noop_scaling']}x (goal <= 2x)")
+          f"{summary['noop_scaling']}x (goal <= 2x); controller CPU "
+          f"{summary['noop_controller_cpu_scaling']}x")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(summary, indent=2) + "\n")
     print(f"wrote {args.out}")

@@ -17,7 +17,8 @@ How it works:
 - the revision is resolved to a commit; only the files an engine reads are selected;
   what is missing is summed and compared with the free space before any byte moves;
 - each file is downloaded with hf_hub_download into a private staging cache on the same
-  filesystem, hashed (SHA-256 for LFS files, git blob sha1 otherwise), and only then
+  filesystem, hashed (SHA-256 for LFS files, git blob sha1 otherwise; while it is being
+  written, so verification adds no second read of the bytes), and only then
   renamed into blobs/ and linked from snapshots/<commit>/: the engine's path never shows
   a partial or wrong file;
 - a manifest (.gpufleet-manifest-<commit>.json next to blobs/) records every verified
@@ -38,6 +39,7 @@ import concurrent.futures
 import contextlib
 import datetime
 import fnmatch
+import glob
 import hashlib
 import io
 import json
@@ -279,6 +281,68 @@ def sha256_file(path: Path) -> str:
     return hash_file(path, True, 0)
 
 
+class StreamHash(threading.Thread):
+    """Hash a file while huggingface_hub writes it, so that verifying costs no second
+    pass over the bytes. It follows the one ``<etag>.<random>.incomplete`` file the
+    download writes in ``blobs``, reading up to what has been written. ``digest(final)``
+    returns the hash only when the file it followed became ``final`` (same inode) and it
+    read every byte; otherwise None, and the caller hashes the file itself. Nothing is
+    trusted on its word: a digest that does not match is checked again from disk."""
+
+    POLL_S = 0.02
+
+    def __init__(self, blobs: Path, etag: str, lfs: bool, size: int):
+        super().__init__(daemon=True)
+        self.blobs, self.etag, self.lfs, self.size = blobs, etag, lfs, size
+        self.finished = threading.Event()
+        self.ino: int | None = None
+        self.read = 0
+        self.hexdigest: str | None = None
+
+    def _open(self):
+        try:
+            found = sorted(self.blobs.glob(f"{glob.escape(self.etag)}.*.incomplete"))
+        except OSError:
+            return None
+        for path in found[:1]:
+            with contextlib.suppress(OSError):
+                return open(path, "rb")  # noqa: SIM115 - held for the whole transfer
+        return None
+
+    def run(self):
+        fh = None
+        while fh is None:
+            fh = self._open()
+            if fh is None:
+                if self.finished.wait(self.POLL_S):
+                    return
+        with fh:
+            self.ino = os.fstat(fh.fileno()).st_ino
+            h = hashlib.sha256() if self.lfs else hashlib.sha1(b"blob %d\0" % self.size)
+            while True:
+                chunk = fh.read(HASH_CHUNK)
+                if chunk:
+                    h.update(chunk)
+                    self.read += len(chunk)
+                elif self.finished.is_set():
+                    break  # the writer is done: this empty read was the real end
+                else:
+                    time.sleep(self.POLL_S)
+            self.hexdigest = h.hexdigest()
+
+    def stop(self):
+        self.finished.set()
+        self.join()
+
+    def digest(self, final: Path) -> str | None:
+        self.stop()
+        try:
+            same = final.stat().st_ino == self.ino
+        except OSError:
+            return None
+        return self.hexdigest if same and self.read == self.size else None
+
+
 def atomic_write(path: Path, data: bytes):
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
     with open(tmp, "wb") as f:
@@ -376,6 +440,7 @@ class Fetch:
         self.repo_dir = self.hub / ("models--" + args.repo.replace("/", "--"))
         self.mlock = threading.Lock()
         self.bytes_downloaded = 0
+        self.bytes_hashed_in_flight = 0  # verified by StreamHash, no second read
         self.replaced: list[str] = []
         self.downloaded: list[str] = []
         self.done = 0
@@ -498,6 +563,7 @@ class Fetch:
     # ---- download
     def download(self, sha: str, f: dict, staging: Path, entries: dict, lock: SharedLock):
         from huggingface_hub import hf_hub_download
+        from huggingface_hub.file_download import repo_folder_name
 
         last: BaseException | None = None
         for attempt in range(1, self.args.retries + 1):
@@ -505,12 +571,24 @@ class Fetch:
                 raise FetchError(EXIT_FAILED, "lost the cache lock (another host broke it); "
                                  "re-run to finish")
             start = time.monotonic()
+            follower = StreamHash(staging / repo_folder_name(repo_id=self.args.repo,
+                                                             repo_type="model") / "blobs",
+                                  self.etag(f), bool(f["lfs"]), f["size"])
+            follower.start()
             try:
-                staged = hf_hub_download(self.args.repo, f["path"], revision=sha,
-                                         cache_dir=staging, endpoint=self.args.endpoint,
-                                         token=self.token or False)
+                try:
+                    staged = hf_hub_download(self.args.repo, f["path"], revision=sha,
+                                             cache_dir=staging, endpoint=self.args.endpoint,
+                                             token=self.token or False)
+                finally:
+                    follower.stop()
                 staged = Path(os.path.realpath(staged))
-                digest = hash_file(staged, bool(f["lfs"]), f["size"])
+                digest = follower.digest(staged)
+                if digest != self.etag(f):  # not followed to the end, or wrong: from disk
+                    digest = hash_file(staged, bool(f["lfs"]), f["size"])
+                else:
+                    with self.mlock:
+                        self.bytes_hashed_in_flight += f["size"]
                 if staged.stat().st_size != f["size"] or digest != self.etag(f):
                     staged.unlink()
                     raise FetchError(EXIT_FAILED, f"{f['path']}: downloaded bytes do not match "
@@ -664,6 +742,7 @@ class Fetch:
         summary.update(complete=complete, dry_run=self.args.dry_run,
                        downloaded=sorted(self.downloaded), replaced=sorted(self.replaced),
                        bytes_downloaded=self.bytes_downloaded,
+                       bytes_hashed_in_flight=self.bytes_hashed_in_flight,
                        changed=bool(self.downloaded or self.replaced), seconds=round(secs, 2),
                        rate_mib_s=round(self.bytes_downloaded / secs / 2**20, 1))
         return summary

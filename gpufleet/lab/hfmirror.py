@@ -342,7 +342,8 @@ class Cut:
     """Cut GETs of files matching ``glob`` (matched against ``repo_id/path``) at file offset
     ``after_bytes``: the first ``times`` matching GETs stop there (a GET whose range starts
     at or past the offset stops at once). ``mode`` "close" ends the connection cleanly
-    (short body), "reset" sends a TCP RST."""
+    (short body), "reset" sends a TCP RST, "flip" sends the whole body with the byte at
+    ``after_bytes`` changed (bytes damaged on the way: a bad proxy, a flaky NIC)."""
 
     glob: str
     after_bytes: int
@@ -629,10 +630,17 @@ class Handler(BaseHTTPRequestHandler):
 
     def _stream(self, f: RepoFile, key: str, start: int, end: int):
         cut = self.mirror.take_cut(key)
+        flip = None
+        if cut is not None and cut.mode == "flip":
+            flip, cut = cut.after_bytes, None
         stop = end if cut is None else min(end, max(start, cut.after_bytes))
         sent = 0
         try:
             for chunk in f.blob.chunks(start, stop):
+                at = start + sent
+                if flip is not None and at <= flip < at + len(chunk):
+                    i = flip - at
+                    chunk = chunk[:i] + bytes([chunk[i] ^ 0xFF]) + chunk[i + 1 :]
                 self.wfile.write(chunk)
                 sent += len(chunk)
         except OSError:  # the client went away

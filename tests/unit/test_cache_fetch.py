@@ -393,3 +393,70 @@ def test_a_rerun_on_a_complete_cache_rewrites_no_file(mirror, tmp_path):
     assert code == 0 and summary["changed"] is False, out
     after = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*") if not p.is_dir()}
     assert after == before
+
+
+def test_bytes_damaged_in_transit_are_caught_and_fetched_again(mirror, tmp_path):
+    # the hash is taken while the file is written: a flipped byte late in the file must
+    # still fail verification, be retried, and never reach blobs/ or the snapshot
+    mirror.set_cuts([Cut(glob=f"{BIG_REPO}/{BIG}", after_bytes=BIG_SIZE - 10, mode="flip")])
+    code, summary, out = run(mirror, tmp_path, BIG_REPO)
+    assert code == 0, out
+    assert "downloaded bytes do not match the Hub's hash" in out
+    assert summary["bytes_hashed_in_flight"] >= BIG_SIZE  # the retry was hashed in flight
+    assert mirror.stats.snapshot()["files"][f"{BIG_REPO}/{BIG}"]["gets"] == 2
+    assert_verified(tmp_path, mirror, BIG_REPO)
+
+
+def test_bytes_damaged_on_every_attempt_fail_and_leave_nothing_visible(mirror, tmp_path):
+    mirror.set_cuts([Cut(glob=f"{BIG_REPO}/{BIG}", after_bytes=5, times=3, mode="flip")])
+    code, _, out = run(mirror, tmp_path, BIG_REPO, "--retries", "3")
+    assert code == 1, out
+    assert f"{BIG}: downloaded bytes do not match the Hub's hash" in out
+    assert not list(tmp_path.rglob(BIG)), "a damaged file is visible in the snapshot"
+    blobs = next(tmp_path.glob("hub/models--*--GLM-5.3/blobs"), None)
+    assert blobs is None or not any(p.name == mirror.repos[BIG_REPO].files[BIG].blob.sha256
+                                    for p in blobs.iterdir())
+
+
+def _follow(tmp_path, writes, lfs=True):
+    """Write `writes` (a list of byte strings, or "swap" to start a new file) into an
+    .incomplete file the way huggingface_hub does, while a StreamHash follows it."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import cache_fetch
+    finally:
+        sys.path.pop(0)
+    data = b"".join(w for w in writes if w != "swap")
+    etag = hashlib.sha256(data).hexdigest()
+    blobs = tmp_path / "blobs"
+    blobs.mkdir()
+    follower = cache_fetch.StreamHash(blobs, etag, lfs, len(data))
+    follower.start()
+    tmp = blobs / f"{etag}.0001.incomplete"
+    fh = open(tmp, "wb")  # noqa: SIM115
+    for w in writes:
+        if w == "swap":  # a second writer's file replaces the one being followed
+            fh.close()
+            tmp.unlink()
+            tmp = blobs / f"{etag}.0002.incomplete"
+            fh = open(tmp, "wb")  # noqa: SIM115
+            continue
+        fh.write(w)
+        fh.flush()
+        time.sleep(0.05)
+    fh.close()
+    final = blobs / etag
+    os.replace(tmp, final)
+    return follower.digest(final), etag
+
+
+def test_stream_hash_follows_a_growing_file_to_its_final_name(tmp_path):
+    digest, etag = _follow(tmp_path, [os.urandom(300_000) for _ in range(5)])
+    assert digest == etag
+
+
+def test_stream_hash_gives_nothing_when_it_followed_another_file(tmp_path):
+    # the followed file vanished mid-way: its bytes are not the final file's, so no digest
+    # (the caller hashes the final file itself)
+    digest, _ = _follow(tmp_path, [b"a" * 1000, "swap", b"b" * 1000, b"c" * 1000])
+    assert digest is None

@@ -108,6 +108,25 @@ def test_the_health_timer_writes_metrics(lab):
         in metrics
 
 
+def test_a_checker_systemd_cannot_start_is_retried_then_named(lab):
+    # exit 217 (USER) is systemd failing to set the process up, like the 219 (CGROUP) seen
+    # once under a restart storm: the verify step runs the checker again, then names it
+    dropin = "/etc/systemd/system/gpufleet-health.service.d"
+    ssh("lab1", f"mkdir -p {dropin} && printf '[Service]\\nUser=no-such-user\\n' "
+        f"> {dropin}/zz-test.conf && systemctl daemon-reload", check=True)
+    try:
+        proc = playbook("-i", "inventories/lab", "playbooks/plan.yml", "playbooks/health.yml",
+                        "--limit", "localhost,lab1")
+    finally:
+        ssh("lab1", f"rm -rf {dropin} && systemctl daemon-reload", check=True)
+    out = re.sub(r"\s+", " ", proc.stdout)
+    assert proc.returncode != 0, proc.stdout[-3000:]
+    assert out.count("FAILED - RETRYING: [lab1]: Verify | Run the checker") == 2, out[-3000:]
+    assert "gpufleet-health does not work on lab1" in out and "last run exit 217" in out
+    assert playbook("-i", "inventories/lab", "playbooks/plan.yml",
+                    "playbooks/health.yml").returncode == 0
+
+
 def test_a_rebooted_host_comes_back_serving(lab):
     lab_hosts.reboot("lab1")
     deadline = time.monotonic() + 120

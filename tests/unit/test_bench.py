@@ -53,3 +53,59 @@ def test_the_client_is_pinned_in_its_own_requirements_file():
     req = Path(bench.REQUIREMENTS).read_text()
     assert "aiperf==" in req
     json.dumps(bench.METRICS)  # labels are plain data
+
+
+def _bench_module(name: str):
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[2] / "bench" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_cache_bench_short_run_moves_each_byte_once(tmp_path):
+    # the short smoke version of bench/cache_bench.py: small shards, one round; what must
+    # hold at any size is that 4 fetchers on one cache pull what 1 does, and a re-run none
+    out = tmp_path / "cache.json"
+    assert _bench_module("cache_bench").main(
+        ["--shard-mib", "2", "--rounds", "1", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    total = result["fetchers_1"]["bytes_from_mirror"]
+    assert total == result["raw_http"]["bytes_from_mirror"] > 0
+    assert result["fetchers_4"]["bytes_from_mirror"] == total
+    assert sorted(result["fetchers_4"]["downloaded_by"])[:3] == [0, 0, 0]
+    assert result["rerun_complete_cache"]["bytes_from_mirror"] == 0
+    assert result["ratio_cache_fetch_to_raw"] > 0
+
+
+PROFILE_OUTPUT = """\
+PLAY RECAP *********************************************************************
+lab1                       : ok=170  changed=0    unreachable=0    failed=0    skipped=40
+lab2                       : ok=174  changed=3    unreachable=0    failed=0    skipped=36
+localhost                  : ok=11   changed=1    unreachable=0    failed=0    skipped=1
+
+Sunday 29 November 2026  15:52:02 +0000 (0:00:00.083)       0:00:31.985 *******
+===============================================================================
+cache : Cache | Fetch | Download and verify (token on stdin only) ------- 2.77s
+serve : Serve | Ready | Health and one token: prefill ------------------- 2.34s
+"""
+
+
+def test_converge_bench_reads_ansible_output_and_writes_ansible_defaults(tmp_path):
+    converge = _bench_module("converge")
+    assert converge.changed(PROFILE_OUTPUT) == 4
+    assert converge.task_times(PROFILE_OUTPUT) == [
+        ("cache : Cache | Fetch | Download and verify (token on stdin only)", 2.77),
+        ("serve : Serve | Ready | Health and one token: prefill", 2.34)]
+    import configparser
+
+    cfg = configparser.ConfigParser(interpolation=None)
+    cfg.read(converge.defaults_cfg(tmp_path))
+    for key in ("forks", "fact_caching", "gathering"):
+        assert key not in cfg["defaults"]
+    assert cfg["ssh_connection"]["pipelining"] == "False"
+    assert "ControlMaster=no" in cfg["ssh_connection"]["ssh_args"]
+    assert Path(cfg["defaults"]["roles_path"]).is_absolute()
+    assert converge.machine_cpu_s() > 0

@@ -167,7 +167,8 @@ def main_pids(hosts: list[str]) -> dict[str, str]:
     return out
 
 
-def bench_size(n: int, workdir: Path, with_defaults: bool, with_mitogen: bool) -> dict:
+def bench_size(n: int, workdir: Path, with_defaults: bool, with_mitogen: bool,
+               first_only: bool = False) -> dict:
     log(f"lab with {n} host(s)")
     run([str(BIN / "fab"), "lab.up", "--hosts", str(n)])
     inv = inventory(workdir, n)
@@ -176,6 +177,9 @@ def bench_size(n: int, workdir: Path, with_defaults: bool, with_mitogen: bool) -
     waits = sum(s for name, s in task_times(out) if WAIT_TASK.search(name))
     log(f"{n}: first deploy {first:.1f}s (readiness waits {waits:.1f}s)")
     slowest_first = sorted(task_times(out), key=lambda t: -t[1])[:5]
+    if first_only:
+        return {"hosts": n, "first_deploy_s": round(first, 1), "engine_start_s": round(waits, 1),
+                "overhead_s": round(first - waits, 1), "slowest_tasks_first": slowest_first}
     noop, out = site(inv, ours, profile=True)
     result = {"hosts": n, "first_deploy_s": round(first, 1),
               "engine_start_s": round(waits, 1), "overhead_s": round(first - waits, 1),
@@ -214,6 +218,8 @@ def main() -> int:
     p.add_argument("--sizes", default="1,4,8,16")
     p.add_argument("--defaults-at", default="1,4", help="sizes that also run the defaults")
     p.add_argument("--mitogen-at", default="1,16", help="sizes that also run Mitogen")
+    p.add_argument("--first-only", action="store_true",
+                   help="only the first deploy of each size; prints JSON, writes nothing")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "converge.json"))
     args = p.parse_args()
     sizes = [int(x) for x in args.sizes.split(",")]
@@ -221,6 +227,11 @@ def main() -> int:
     with_mitogen = {int(x) for x in args.mitogen_at.split(",") if x}
     results = []
     partial = Path(args.out).with_suffix(".partial.json")
+    if args.first_only:
+        with tempfile.TemporaryDirectory(prefix="gpufleet-bench-") as tmp:
+            print(json.dumps([bench_size(n, Path(tmp), False, False, first_only=True)
+                              for n in sizes], indent=2))
+        return 0
     with tempfile.TemporaryDirectory(prefix="gpufleet-bench-") as tmp:
         for n in sizes:
             results.append(bench_size(n, Path(tmp), n in with_defaults, n in with_mitogen))

@@ -12,7 +12,6 @@ Serve a directory of wheels:  ``python -m gpufleet.lab.services serve-wheels``.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import html
 import os
@@ -22,7 +21,6 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -185,11 +183,6 @@ def _commands() -> dict[str, list[str]]:
             f"PidFile={acng}/pid",
             f"SocketPath={acng}/socket",
             "ExThreshold=30",
-            # Index files (InRelease) count as fresh for an hour: when 16 hosts refresh the
-            # same index in the same second, apt-cacher-ng 3.7 races on its temporary file
-            # and the losers' apt hangs. start() fetches them once, so a deploy's burst is
-            # served from the cache.
-            "FreshIndexMaxAge=3600",
             # The packaged default backend may be unreachable; use the controller's mirror.
             f"Remap-debrep=file:deb_mirror*.gz /debian ; {debian_mirror().rstrip('/')}/",
         ],
@@ -262,22 +255,6 @@ def start() -> None:
                     "(e.g. /etc/init.d/apt-cacher-ng stop)."
                 )
             time.sleep(0.1)
-    warm_apt_indexes()
-
-
-def warm_apt_indexes() -> None:
-    """Fetch the lab hosts' index files (InRelease of each line of their sources.list)
-    through the proxy once; best effort: a host's own apt update reports real problems."""
-    from gpufleet.lab.hosts import SOURCES_LIST  # hosts imports this module
-
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({"http": apt_proxy_url()}))
-    for line in SOURCES_LIST.splitlines():
-        if not line.startswith("deb "):
-            continue
-        _, uri, suite, *_ = line.split()
-        with contextlib.suppress(OSError), opener.open(
-                f"{uri}/dists/{suite}/InRelease", timeout=60) as resp:
-            resp.read()
 
 
 def _stop(name: str) -> None:

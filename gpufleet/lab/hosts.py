@@ -313,10 +313,7 @@ def prepare_host(host: dict, all_hosts: list[dict], root: Path, pubkey: str, hw:
         "/root/.ssh/authorized_keys": (pubkey.encode(), 0o600),
         "/etc/apt/apt.conf.d/01gpufleet-proxy": (
             f'Acquire::http::Proxy "http://{ctrl}:{services.APT_PROXY_PORT}";\n'
-            'Acquire::https::Proxy "DIRECT";\n'
-            # apt-cacher-ng can stall a request when many hosts refresh the same index at
-            # once (seen with 8 hosts): give up on a silent connection and try again
-            'Acquire::http::Timeout "30";\nAcquire::Retries "5";\n'.encode(),
+            'Acquire::https::Proxy "DIRECT";\n'.encode(),
             0o644,
         ),
         "/etc/pip.conf": (

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import concurrent.futures
 import json
 import re
 import struct
@@ -447,7 +448,8 @@ def main(argv: list[str] | None = None) -> int:
         "\n\n")[0])
     p.add_argument("--plan", help="a `fab plan --format json` file ('-' = stdin): takes the "
                    "endpoint, model, engine and image options from it")
-    p.add_argument("--url", help="the router or worker URL (…/v1)")
+    p.add_argument("--url", action="append", help="the router or worker URL (…/v1); repeat "
+                   "it for replicas: every URL is checked, all at once")
     p.add_argument("--model", help="the served model name")
     p.add_argument("--engine", choices=ENGINES)
     p.add_argument("--api-key-file", help="file holding the API key (never printed)")
@@ -462,7 +464,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.plan:
         with (sys.stdin if args.plan == "-" else open(args.plan)) as fh:
             opts = options_from_plan(json.load(fh))
-        args.url = args.url or opts["base_url"]
+        args.url = args.url or [opts["base_url"]]
         args.model = args.model or opts["model"]
         args.engine = args.engine or opts["engine"]
         args.multimodal = args.multimodal or opts["multimodal"]
@@ -480,20 +482,34 @@ def main(argv: list[str] | None = None) -> int:
                 key = fh.read().strip() or None
         except OSError as exc:
             p.error(f"--api-key-file: {exc.strerror}: {args.api_key_file}")
-    checks = run_smoke(args.url, args.model, args.engine, api_key=key,
-                       multimodal=args.multimodal, image_limit=args.image_limit,
-                       reasoning_parser=not args.no_reasoning_parser,
-                       tool_parser=not args.no_tool_parser, timeout=args.timeout,
-                       only=args.only, anthropic=anthropic)
-    failed = [c for c in checks if not c.ok]
+
+    def one(url: str) -> list[Check]:
+        return run_smoke(url, args.model, args.engine, api_key=key,
+                         multimodal=args.multimodal, image_limit=args.image_limit,
+                         reasoning_parser=not args.no_reasoning_parser,
+                         tool_parser=not args.no_tool_parser, timeout=args.timeout,
+                         only=args.only, anthropic=anthropic)
+
+    with concurrent.futures.ThreadPoolExecutor(min(len(args.url), 16)) as pool:
+        results = dict(zip(args.url, pool.map(one, args.url), strict=True))
+    many = len(results) > 1
     if args.json:
-        print(json.dumps({"ok": not failed, "checks": [
-            {**asdict(c), "status": c.status} for c in checks]}, indent=2))
+        out = [{"url": url, "ok": all(c.ok for c in checks),
+                "checks": [{**asdict(c), "status": c.status} for c in checks]}
+               for url, checks in results.items()]
+        ok = all(e["ok"] for e in out)
+        print(json.dumps({"ok": ok, "endpoints": out} if many else
+                         {"ok": ok, "checks": out[0]["checks"]}, indent=2))
     else:
-        print(render_table(checks))
-    for c in failed:
-        print(f"smoke: {c.name} failed: {c.detail} -- likely cause: {c.cause}",
-              file=sys.stderr)
+        print("\n\n".join((f"{url}\n" if many else "") + render_table(checks)
+                          for url, checks in results.items()))
+    failed = 0
+    for url, checks in results.items():
+        for c in checks:
+            if not c.ok:
+                failed += 1
+                print(f"smoke: {url + ': ' if many else ''}{c.name} failed: {c.detail} -- "
+                      f"likely cause: {c.cause}", file=sys.stderr)
     return 1 if failed else 0
 
 

@@ -245,6 +245,25 @@ def test_cli_api_key_never_printed(flash_limited, tmp_path, capsys):
     assert "sk-wrong" not in out.out + out.err
 
 
+def test_replicas_every_url_is_checked_and_a_bad_one_is_named(flash, capsys):
+    dead = socket.socket()  # a port nothing answers on: connection refused
+    dead.bind(("127.0.0.1", 0))
+    bad = f"http://127.0.0.1:{dead.getsockname()[1]}/v1"
+    dead.close()
+    base = ["--model", FLASH, "--engine", "vllm", "--only", "models", "--only", "ready"]
+    assert smoke.main(["--url", flash.url + "/v1", "--url", flash.url + "/v1/", *base,
+                       "--json"]) == 0
+    both = json.loads(capsys.readouterr().out)
+    assert both["ok"] and [e["url"] for e in both["endpoints"]] == [flash.url + "/v1",
+                                                                   flash.url + "/v1/"]
+    assert [c["status"] for e in both["endpoints"] for c in e["checks"]] == ["ok"] * 4
+    assert smoke.main(["--url", flash.url + "/v1", "--url", bad, *base]) == 1
+    out = capsys.readouterr()
+    assert f"{flash.url}/v1\n" in out.out and f"{bad}\n" in out.out
+    assert f"smoke: {bad}: models failed" in out.err
+    assert f"smoke: {flash.url}/v1: " not in out.err
+
+
 def test_nothing_hangs_on_a_silent_server():
     with socket.socket() as silent:  # accepts connections (backlog), never answers
         silent.bind(("127.0.0.1", 0))

@@ -313,9 +313,8 @@ class StreamHash(threading.Thread):
         fh = None
         while fh is None:
             fh = self._open()
-            if fh is None:
-                if self.finished.wait(self.POLL_S):
-                    return
+            if fh is None and self.finished.wait(self.POLL_S):
+                return
         with fh:
             self.ino = os.fstat(fh.fileno()).st_ino
             h = hashlib.sha256() if self.lfs else hashlib.sha1(b"blob %d\0" % self.size)
@@ -563,7 +562,6 @@ class Fetch:
     # ---- download
     def download(self, sha: str, f: dict, staging: Path, entries: dict, lock: SharedLock):
         from huggingface_hub import hf_hub_download
-        from huggingface_hub.file_download import repo_folder_name
 
         last: BaseException | None = None
         for attempt in range(1, self.args.retries + 1):
@@ -571,9 +569,8 @@ class Fetch:
                 raise FetchError(EXIT_FAILED, "lost the cache lock (another host broke it); "
                                  "re-run to finish")
             start = time.monotonic()
-            follower = StreamHash(staging / repo_folder_name(repo_id=self.args.repo,
-                                                             repo_type="model") / "blobs",
-                                  self.etag(f), bool(f["lfs"]), f["size"])
+            follower = StreamHash(staging / self.repo_dir.name / "blobs", self.etag(f),
+                                  bool(f["lfs"]), f["size"])
             follower.start()
             try:
                 try:

@@ -140,6 +140,13 @@ def now_iso() -> str:
 # --------------------------------------------------------------------------- lock
 
 
+def _json_or_none(raw: bytes):
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return None
+
+
 class SharedLock:
     """An exclusive lock for a shared filesystem: O_CREAT|O_EXCL on a file with a heartbeat.
 
@@ -182,11 +189,9 @@ class SharedLock:
             return None
 
     def _dead_local_holder(self, raw: bytes) -> bool:
-        try:
-            info = json.loads(raw)
-        except ValueError:
-            return False
-        if info.get("host") != self.host or not isinstance(info.get("pid"), int):
+        info = _json_or_none(raw)
+        if (not isinstance(info, dict) or info.get("host") != self.host
+                or not isinstance(info.get("pid"), int)):
             return False
         try:
             os.kill(info["pid"], 0)
@@ -226,8 +231,8 @@ class SharedLock:
             if raw != last:
                 last, since = raw, now
             if raw is not None:
-                if not announced:
-                    holder = json.loads(raw) if raw.startswith(b"{") else {}
+                holder = _json_or_none(raw) if not announced else None
+                if isinstance(holder, dict):  # not a lock still being (re)written
                     log(f"waiting for the lock held by {holder.get('host')} pid "
                         f"{holder.get('pid')} ({self.path})")
                     announced = True

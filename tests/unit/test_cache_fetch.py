@@ -272,6 +272,23 @@ def test_lock_with_a_live_heartbeat_times_out_and_a_silent_one_is_broken(mirror,
     assert "breaking stale lock of other-host pid 1" in out
 
 
+def test_a_lock_caught_while_being_written_is_named_once_it_reads_whole(mirror, tmp_path):
+    # the holder creates the file, then writes it: a waiter that reads it empty in between
+    # must not report "held by None pid None"
+    locks = tmp_path / "hub" / ".gpufleet-locks"
+    locks.mkdir(parents=True)
+    lock = locks / "models--zai-org--GLM-5.3-Flash.lock"
+    lock.write_bytes(b"")
+    proc = fetch(mirror, tmp_path, FLASH, "--lock-timeout", "3", "--lock-stale", "60")
+    time.sleep(1.0)
+    lock.write_text(json.dumps({"host": "other-host", "pid": 1, "nonce": "z",
+                                "heartbeat": time.time()}))
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 7, out + err
+    assert "waiting for the lock held by other-host pid 1" in err
+    assert "held by None" not in err
+
+
 def test_tampered_blob_is_detected_and_replaced(mirror, tmp_path):
     code, _, out = run(mirror, tmp_path)
     assert code == 0, out

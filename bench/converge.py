@@ -133,7 +133,7 @@ def defaults_cfg(workdir: Path) -> str:
     return str(path)
 
 
-def mitogen_env(workdir: Path) -> dict:
+def mitogen_env() -> dict:
     """Ansible settings for Mitogen's linear strategy (pip --target, not in .venv)."""
     target = ROOT / ".cache" / "mitogen"
     if not (target / "ansible_mitogen").is_dir():
@@ -194,7 +194,7 @@ def bench_size(n: int, workdir: Path, with_defaults: bool, with_mitogen: bool,
                       config_speedup=round(slow / noop, 2))
         log(f"{n}: no-op re-run with Ansible's defaults {slow:.1f}s")
     if with_mitogen:
-        fast, out = site(inv, ours, profile=True, extra=mitogen_env(workdir))
+        fast, out = site(inv, ours, profile=True, extra=mitogen_env())
         result.update(noop_rerun_mitogen_s=round(fast, 1), noop_changed_mitogen=changed(out),
                       noop_cpu_mitogen=dict(LAST_CPU))
         log(f"{n}: no-op re-run with Mitogen {fast:.1f}s, changed={changed(out)}")

@@ -273,9 +273,14 @@ class SharedLock:
 # --------------------------------------------------------------------------- files
 
 
+def new_hash(lfs: bool, size: int):
+    """What the Hub names a file by: SHA-256 of the content (LFS) or the git blob sha1."""
+    return hashlib.sha256() if lfs else hashlib.sha1(b"blob %d\0" % size)
+
+
 def hash_file(path: Path, lfs: bool, size: int) -> str:
     """SHA-256 of the content (LFS) or the git blob sha1 (regular files)."""
-    h = hashlib.sha256() if lfs else hashlib.sha1(b"blob %d\0" % size)
+    h = new_hash(lfs, size)
     with open(path, "rb") as f:
         while chunk := f.read(HASH_CHUNK):
             h.update(chunk)
@@ -322,7 +327,7 @@ class StreamHash(threading.Thread):
                 return
         with fh:
             self.ino = os.fstat(fh.fileno()).st_ino
-            h = hashlib.sha256() if self.lfs else hashlib.sha1(b"blob %d\0" % self.size)
+            h = new_hash(self.lfs, self.size)
             while True:
                 chunk = fh.read(HASH_CHUNK)
                 if chunk:

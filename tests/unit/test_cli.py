@@ -1,5 +1,5 @@
 """The operator interfaces other tools rely on: `fab targets`, `fab plan` (text and
-the JSON shape fixed in DESIGN.md), exit codes, and inventories read by Ansible."""
+the JSON shape in docs/architecture.md), exit codes, and inventories read by Ansible."""
 
 from __future__ import annotations
 

@@ -72,10 +72,33 @@ def test_prepare_converges_and_leaves_real_state(converged):
     assert 'UCX_NET_DEVICES="all"' in ssh("lab1", "cat /etc/gpufleet/ucx.env")
 
 
+# Names and times of apt's lists: `apt-get update` rewrites them even when nothing is new.
+APT_LISTS = "ls -l --time-style=+%s /var/lib/apt/lists"
+
+
 def test_rerun_changes_nothing(converged):
+    lists = ssh("lab1", APT_LISTS)
     proc = prepare()
     assert proc.returncode == 0, proc.stdout[-4000:]
     assert recap(proc.stdout)["lab1"]["changed"] == 0, changed_tasks(proc.stdout)
+    # lists refreshed by the first run are fresh: the re-run made no apt update
+    assert ssh("lab1", APT_LISTS) == lists
+
+
+@pytest.mark.parametrize("state, make", [
+    # a fresh image that cleaned its lists: apt knows no package, the mtime is new
+    ("empty", "rm -rf /var/lib/apt/lists/* && touch /var/lib/apt/lists"),
+    # lists older than the hourly cache_valid_time
+    ("stale", "find /var/lib/apt/lists -maxdepth 1 -exec touch -d '3 hours ago' {} +"),
+])
+def test_apt_lists_empty_or_stale_are_refreshed(converged, state, make):
+    ssh("lab1", make)
+    before = ssh("lab1", APT_LISTS)
+    proc = prepare()
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    after = ssh("lab1", APT_LISTS)
+    assert after != before, f"{state} apt lists were not refreshed"
+    assert "_Packages" in after
 
 
 def test_check_diff_changes_nothing_on_the_hosts(converged):

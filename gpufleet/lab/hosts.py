@@ -121,6 +121,7 @@ SMALL_CACHE_SIZE = "64m"
 CACHE_IMAGE = CACHE_DIR / "shared-cache.img"
 CACHE_IMAGE_SIZE = "2T"
 HOST_CACHE_PATH = "/var/cache/gpufleet/hf"
+APT_LISTS = "var/lib/apt/lists"
 REPO = Path(__file__).resolve().parents[2]
 INVENTORY = REPO / "inventories" / "lab" / "hosts.yml"
 BOOT_TIMEOUT = 90
@@ -337,6 +338,9 @@ def prepare_host(host: dict, all_hosts: list[dict], root: Path, pubkey: str, hw:
     (upper / "root/.ssh").chmod(0o700)
     _mkdirs(upper, root, Path("etc/ssh"))
     subprocess.run(["ssh-keygen", "-A", "-f", str(upper)], check=True, capture_output=True)
+    # Like a server fresh from an image that cleaned its apt lists: apt knows no package
+    # and the lists directory was modified just now, whenever the cached root was built.
+    _mkdirs(upper, root, Path(APT_LISTS))
     return hdir
 
 

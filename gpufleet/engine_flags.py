@@ -69,13 +69,45 @@ def parse_help(text: str) -> dict[str, dict]:
     return table
 
 
+# The two words of a boolean engine argument that vLLM registers as a pair of switches.
+OPPOSITES = {"enable": "disable", "disable": "enable"}
+
+
+def negations(entries: dict[str, dict]) -> dict[str, dict]:
+    """The `--no-` spellings an argparse table does not list but the parser takes.
+
+    A boolean engine argument (argparse's BooleanOptionalAction) shows in a dump as a
+    pair of switches that take no value: `--X` with `--no-X`, or, for a field named
+    enable_*/disable_*, `--enable-Y` with `--disable-Y`. The parser also takes `--no-`
+    before either word of such a pair, meaning the other word (vLLM 0.33.0 reads
+    `--no-disable-hybrid-kv-cache-manager` as `--enable-hybrid-kv-cache-manager`). A
+    lone switch (store_true, e.g. --headless) and a flag that takes a value have no
+    `--no-` form. Tables that do not record nargs (SGLang, Dynamo) derive nothing:
+    their BooleanOptionalAction flags are listed with their `--no-` forms.
+    """
+    out: dict[str, dict] = {}
+    for flag, spec in entries.items():
+        word, dash, rest = flag[2:].partition("-")
+        if not (flag.startswith("--") and dash and word in OPPOSITES):
+            continue
+        opposite = entries.get(f"--{OPPOSITES[word]}-{rest}", {})
+        if spec.get("nargs") == 0 and opposite.get("nargs") == 0:
+            out[f"--no-{flag[2:]}"] = dict(opposite)
+    return out
+
+
 @cache
 def table(program: str) -> dict[str, dict]:
-    """The merged option table of a program key in PROGRAMS."""
+    """The merged option table of a program key in PROGRAMS, with the `--no-` forms
+    its argparse tables imply (see negations)."""
     merged: dict[str, dict] = {}
     for name in PROGRAMS[program][1]:
         text = (TABLE_DIR / name).read_text()
-        entries = json.loads(text) if name.endswith(".json") else parse_help(text)
+        if name.endswith(".json"):
+            listed = json.loads(text)
+            entries = {**negations(listed), **listed}
+        else:
+            entries = parse_help(text)
         for flag, spec in entries.items():
             merged.setdefault(flag, spec)
     return merged

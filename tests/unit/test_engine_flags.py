@@ -33,7 +33,14 @@ def test_options_render_accepted_flags(target, option):
     (["vllm", "serve", "m", "--speculative-config", "{method: mtp}"], "not valid JSON"),
     (["vllm", "serve", "m", "--port"], "--port needs a value"),
     (["vllm", "serve", "m", "extra"], "unexpected argument 'extra'"),
-    (["vllm", "serve", "m", "--no-disable-hybrid-kv-cache-manager"], "unknown flag"),
+    # --no- only before a boolean switch: not a flag that takes a value, not a lone
+    # store_true switch, not twice; SGLang's table lists every --no- form it takes
+    (["vllm", "serve", "m", "--no-max-num-seqs"], "unknown flag --no-max-num-seqs"),
+    (["vllm", "serve", "m", "--no-headless"], "unknown flag --no-headless"),
+    (["vllm", "serve", "m", "--no-disable-log-stats"], "unknown flag --no-disable-log-stats"),
+    (["vllm", "serve", "m", "--no-no-enforce-eager"], "unknown flag --no-no-enforce-eager"),
+    (["vllm", "serve", "m", "--no-enable-prefix-caching", "x"], "unexpected argument 'x'"),
+    (["python3", "-m", "sglang.launch_server", "--no-enable-metrics"], "unknown flag"),
     (["vllm-router", "--policy", "fastest"], "'fastest' is not one of"),
     (["python3", "-m", "sglang.launch_server", "--tp", "8"], "unknown flag --tp"),
     (["python3", "-m", "sglang.launch_server", "--kv-cache-dtype", "fp8"], "is not one of"),
@@ -44,6 +51,27 @@ def test_options_render_accepted_flags(target, option):
 def test_checker_rejects_what_the_real_parser_rejects(argv, problem):
     problems = engine_flags.check(argv)
     assert any(problem in p for p in problems), problems
+
+
+@pytest.mark.parametrize("argv", [
+    # 000's spelling: the hybrid KV cache manager on
+    ["vllm", "serve", "m", "--no-disable-hybrid-kv-cache-manager"],
+    ["vllm", "serve", "m", "--no-enable-prefix-caching"],          # prefix caching off
+    ["vllm", "serve", "m", "--no-enforce-eager", "--port", "8000"],  # listed in the table
+    ["python3", "-m", "dynamo.vllm", "--no-disable-hybrid-kv-cache-manager"],
+])
+def test_checker_takes_the_no_forms_the_real_parser_takes(argv):
+    assert engine_flags.check(argv) == []
+
+
+def test_no_forms_are_derived_from_enable_disable_pairs_only():
+    listed = {"--enable-x": {"nargs": 0}, "--disable-x": {"nargs": 0},
+              "--headless": {"nargs": 0}, "--enable-y": {"nargs": None},
+              "--disable-y": {"nargs": None}, "--enable-z": {"choices": None}}
+    assert engine_flags.negations(listed) == {
+        "--no-enable-x": {"nargs": 0}, "--no-disable-x": {"nargs": 0}}
+    assert engine_flags.negations(
+        engine_flags.table("sglang.launch_server")) == {}  # no nargs recorded there
 
 
 def test_help_parser_reads_choices_and_nargs():

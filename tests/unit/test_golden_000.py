@@ -18,9 +18,6 @@ from gpufleet.plan import make_plan
 
 SEED = Path(__file__).parents[1] / "fixtures" / "seeds" / "000_5e664c6e94ff2f6a.txt"
 
-# vLLM 0.33.0's parser spells some of the seed's switches differently (engine-cli table).
-TRANSLATED = {"--no-disable-hybrid-kv-cache-manager": "--enable-hybrid-kv-cache-manager"}
-
 # What the plan adds to the seed, and why.
 IMPLIED_FLAGS = {
     "--port",                     # explicit, so the health checks and router agree on it
@@ -83,7 +80,7 @@ def assert_matches(seed_env, seed_argv, process, extra_flags=(), changed=None):
     assert Path(argv[0]).name == seed_argv[0]
     if seed_argv[0] == "vllm":
         assert argv[1:3] == seed_argv[1:3]  # serve MODEL
-    want = {TRANSLATED.get(k, k): v for k, v in flags(seed_argv).items()}
+    want = flags(seed_argv)
     want.update(changed or {})
     got = flags(argv)
     for flag, value in want.items():
@@ -127,6 +124,19 @@ def test_hopper_runs_bf16_kv_and_blackwell_fp8_kv():
     for role in ("prefill", "decode"):
         (p,) = b200.by_role(role)
         assert p.argv[p.argv.index("--kv-cache-dtype") + 1] == "fp8"
+
+
+def test_pd_pools_keep_the_seeds_hybrid_kv_spelling(seed):
+    """000's --no-disable-hybrid-kv-cache-manager is rendered as written, not translated,
+    and the pinned vLLM's flag check accepts it."""
+    from gpufleet import engine_flags
+
+    assert "--no-disable-hybrid-kv-cache-manager" in seed[1][1]
+    for role in ("prefill", "decode"):
+        (p,) = make_plan("h200-pd-1node").by_role(role)
+        assert "--no-disable-hybrid-kv-cache-manager" in p.argv
+        assert "--enable-hybrid-kv-cache-manager" not in p.argv
+        assert engine_flags.check(p.argv) == []
 
 
 def test_the_parser_finds_a_changed_value(seed):

@@ -224,11 +224,42 @@ def make_plan(
 ) -> Plan:
     """The plan for a target on an inventory (placeholder hosts when None)."""
     catalog = cat.load()
+    if target_name in catalog.unoffered:
+        raise PlanError([not_offered(catalog, catalog.unoffered[target_name])])
     if target_name not in catalog.targets:
         raise PlanError([Problem(
             "target", f"unknown target {target_name!r}",
             suggest(target_name, sorted(catalog.targets)))])
-    target = catalog.targets[target_name]
+    return compose(catalog, catalog.targets[target_name], inventory, overrides)
+
+
+def not_offered(catalog, target: cat.Target) -> Problem:
+    """Why a cell of 004's matrix is left out: the rules' own messages for what it
+    would be (composed on placeholder hosts), then the nearest offered targets."""
+    try:
+        compose(catalog, target)
+        reasons = ["004 leaves it out of the matrix"]  # no rule objects: a catalog choice
+    except PlanError as exc:
+        reasons = [p.message for p in exc.problems]
+    hw = catalog.hardware[target.hardware]
+    here = [n for n in target.instead if catalog.targets[n].hardware == target.hardware]
+    there = [n for n in target.instead if n not in here]
+    fix = [f"{' or '.join(here)} ({catalog.targets[here[0]].precision.upper()} on "
+           f"{hw.product})"] if here else []
+    if there:
+        fix.append(f"{', '.join(there)} ({target.precision.upper()} on other GPUs)")
+    return Problem(
+        "target", f"{target.name} is not offered: " + "; ".join(reasons),
+        "use " + " or ".join(fix) + " (`fab targets` lists all)")
+
+
+def compose(
+    catalog,
+    target: cat.Target,
+    inventory: inv_mod.Inventory | None = None,
+    overrides: Overrides | dict | None = None,
+) -> Plan:
+    """make_plan for a catalog Target (offered or not)."""
     try:
         ov = overrides if isinstance(overrides, Overrides) else Overrides(**(overrides or {}))
     except ValidationError as exc:

@@ -118,8 +118,9 @@ def weights_fit(plan: Plan, catalog) -> list[Problem]:
         problems.append(Problem(
             f"{p.role}.memory",
             f"{plan.model.repo} needs {weight:.0f} GiB of weights but the {p.role} engine has "
-            f"{gpus} x {gib_per_gpu:.1f} GiB x {fraction:.2f} = {usable:.0f} GiB, of which at "
-            f"most {WEIGHT_SHARE:.0%} ({usable * WEIGHT_SHARE:.0f} GiB) may hold weights "
+            f"{gpus} x {gib_per_gpu:.1f} GiB x {fraction:.2f} = {usable:.0f} GiB on {nodes} "
+            f"{plan.hardware.product} node{'s' if nodes > 1 else ''}, of which at most "
+            f"{WEIGHT_SHARE:.0%} ({usable * WEIGHT_SHARE:.0f} GiB) may hold weights "
             "(the rest is KV cache and activations)",
             "use the FP8 checkpoint, a multi-node layout (more nodes), or GPUs with more "
             "memory (b300, mi325x, mi355x)"))

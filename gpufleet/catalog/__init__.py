@@ -98,6 +98,8 @@ class Target(_Strict):
     rdma: bool = False
     strategy: str | None = None
     precision: str | None = None
+    # for a matrix cell that is not offered: the nearest targets that are
+    instead: list[str] = Field(default_factory=list)
     # role -> settings, already layered (bundles, strategy, vendor, own roles)
     roles: dict[str, RoleSettings]
 
@@ -163,8 +165,11 @@ class Catalog:
         self.bundles: dict[str, dict] = raw["bundles"]
         self.options = {k: Option(**v) for k, v in raw["options"].items()}
         specs = dict(raw["targets"])
-        specs.update(_expand_sglang(raw["sglang"]))
+        offered, unoffered = _expand_sglang(raw["sglang"])
+        specs.update(offered)
         self.targets = {name: self._target(name, spec) for name, spec in specs.items()}
+        # matrix cells 004 leaves out: what they would be, for the planner to refuse
+        self.unoffered = {name: self._target(name, spec) for name, spec in unoffered.items()}
 
     def _target(self, name: str, spec: dict) -> Target:
         roles: dict = {}
@@ -186,20 +191,41 @@ class Catalog:
         return target
 
 
-def _expand_sglang(matrix: dict) -> dict[str, dict]:
-    """sglang-<hw>-<strategy>[-<precision>] and sglang-<hw>-pd from 004's matrix."""
+def _sglang_name(hw: str, strategy: str, precision: str) -> str:
+    return f"sglang-{hw}-{strategy}" + ("" if precision == "fp8" else f"-{precision}")
+
+
+def _instead(matrix: dict, hw_table: dict, hw: str, strategy: str, precision: str) -> list:
+    """The offered cells nearest to one that is not: FP8 on the same node type, then
+    the same precision on other node types (the same vendor's when it has any)."""
+    cells = matrix["hardware"]
+    others = [h for h, c in cells.items() if precision in c["layouts"]]
+    same_vendor = [h for h in others if hw_table[h]["vendor"] == hw_table[hw]["vendor"]]
+    return ([_sglang_name(hw, strategy, "fp8")] if "fp8" in cells[hw]["layouts"] else []) + [
+        _sglang_name(h, strategy, precision) for h in (same_vendor or others)]
+
+
+def _expand_sglang(matrix: dict) -> tuple[dict[str, dict], dict[str, dict]]:
+    """sglang-<hw>-<strategy>[-<precision>] and sglang-<hw>-pd from 004's matrix: the
+    cells offered, and the cells left out (composed on `unoffered_layout`)."""
     base = {"seed": "004", "engine": "sglang", "use": ["offline-cache", "sglang-glm53"]}
     out: dict[str, dict] = {}
+    unoffered: dict[str, dict] = {}
     hw_table = _load("hardware.yml")["hardware"]
     for hw, cell in matrix["hardware"].items():
         vendor_layer = matrix["amd"]["roles"] if hw_table[hw]["vendor"] == "amd" else {}
         mem = {"engines": {"args": {"--mem-fraction-static": cell["mem_fraction"]}}}
-        for precision, topology in cell["layouts"].items():
-            suffix = "" if precision == "fp8" else f"-{precision}"
+        for precision in matrix["model_by_precision"]:
+            offered = precision in cell["layouts"]
+            topology = cell["layouts"].get(precision, matrix["unoffered_layout"])
             multinode = [matrix["multinode"]["roles"]] if topology.endswith("2node") else []
             for strategy, strat in matrix["strategies"].items():
                 nodes = "two nodes" if multinode else "one node"
-                out[f"sglang-{hw}-{strategy}{suffix}"] = {
+                name = _sglang_name(hw, strategy, precision)
+                extra = {} if offered else {
+                    "instead": _instead(matrix, hw_table, hw, strategy, precision)}
+                (out if offered else unoffered)[name] = {
+                    **extra,
                     **base,
                     "summary": f"GLM-5.3 {precision.upper()}, SGLang {strategy} on "
                     f"{nodes} of {hw_table[hw]['gpus_per_node']}x {hw.upper()}",
@@ -226,7 +252,7 @@ def _expand_sglang(matrix: dict) -> dict[str, dict]:
             "layers": [mem, matrix["strategies"][pd["strategy"]]["roles"], pd["roles"],
                        vendor_layer],
         }
-    return out
+    return out, unoffered
 
 
 @cache

@@ -106,3 +106,36 @@ def test_ansible_playbook_refuses_a_mismatched_inventory_before_any_host():
     assert "needs exactly 1 host(s) in group 'workers'" in proc.stdout
     assert "h200-node1" not in proc.stdout.split("PLAY RECAP")[-1]
 
+
+
+@pytest.mark.parametrize("target,reason,instead", [
+    ("sglang-h200-balanced-nvfp4", "NVFP4, which runs only on Blackwell, not on NVIDIA H200",
+     ["sglang-h200-balanced (FP8", "sglang-b200-balanced-nvfp4"]),
+    ("sglang-mi300x-balanced-bf16", "needs 1406 GiB of weights but the worker engine has 8 x "
+     "192.0 GiB x 0.80 = 1229 GiB on 1 AMD Instinct MI300X node",
+     ["sglang-mi300x-balanced (FP8", "sglang-mi325x-balanced-bf16"]),
+    ("sglang-mi355x-low-latency-nvfp4", "runs only on Blackwell, not on AMD Instinct MI355X",
+     ["sglang-mi355x-low-latency (FP8", "sglang-gb300-low-latency-nvfp4"]),
+])
+def test_a_combination_004_excludes_exits_2_with_why_and_what_instead(target, reason, instead):
+    proc = fab("plan", "--target", target, check=False)
+    assert proc.returncode == 2, proc.stderr
+    assert f"{target} is not offered" in proc.stderr and reason in proc.stderr
+    assert "unknown target" not in proc.stderr
+    fix = proc.stderr.split("Fix: ", 1)[1]
+    assert all(name in fix for name in instead), proc.stderr
+
+
+def test_targets_does_not_list_the_excluded_combinations():
+    names = {r["name"] for r in json.loads(fab("targets", "--format", "json").stdout)}
+    text = fab("targets").stdout
+    for name in ("sglang-h200-balanced-nvfp4", "sglang-mi300x-balanced-bf16",
+                 "sglang-mi325x-high-throughput-nvfp4"):
+        assert name not in names and name not in text
+
+
+def test_an_unknown_name_still_gets_the_nearest_names():
+    proc = fab("plan", "--target", "sglang-h200-balanced-nvfp", check=False)
+    assert proc.returncode == 2
+    assert "unknown target 'sglang-h200-balanced-nvfp'" in proc.stderr
+    assert "did you mean" in proc.stderr and "sglang-b200-balanced-nvfp4" in proc.stderr

@@ -44,17 +44,9 @@ CASES = {
         "sglang-b200-low-latency", {"options": ["fp8-kv"]}, "already runs FP8 KV"),
     "flags_accepted": (
         "gb200-tray", {"args": {"worker": {"--no-such-flag": 1}}}, "unknown flag --no-such-flag"),
+    # a cell 004 leaves out: the refusal's reason is this rule's message
+    "nvfp4_needs_blackwell": ("sglang-h200-low-latency-nvfp4", {}, "Blackwell"),
 }
-
-
-@pytest.fixture
-def nvfp4_on_hopper(monkeypatch):
-    """No catalog target breaks the NVFP4 rule, so make one that does."""
-    c = cat.load()
-    bad = c.targets["sglang-b200-low-latency-nvfp4"].model_copy(
-        update={"name": "nvfp4-on-h200", "hardware": "h200"})
-    monkeypatch.setitem(c.targets, "nvfp4-on-h200", bad)
-    return "nvfp4-on-h200"
 
 
 def _loopback_inventory():
@@ -65,15 +57,13 @@ def _loopback_inventory():
 
 def _case(name, request):
     """(target, inventory, overrides, text)"""
-    if name == "nvfp4_needs_blackwell":
-        return request.getfixturevalue("nvfp4_on_hopper"), None, {}, "Blackwell"
     if name == "gateway_has_an_address":
         return "h200-pd-1node", _loopback_inventory(), {}, "API gateway would listen on 127"
     target, overrides, text = CASES[name]
     return target, None, overrides, text
 
 
-ALL = [*CASES, "nvfp4_needs_blackwell", "gateway_has_an_address"]
+ALL = [*CASES, "gateway_has_an_address"]
 
 
 def test_every_rule_has_a_case():
@@ -97,12 +87,70 @@ def test_without_the_rule_the_case_gets_through(name, request, monkeypatch):
     try:
         make_plan(target, inv, overrides)
     except PlanError as err:  # other rules may still object, but not with this message
-        assert not any(text in str(p) for p in err.value.problems)
+        assert not any(text in str(p) for p in err.problems)
 
 
 def test_unknown_target_suggests_the_nearest_names():
     with pytest.raises(PlanError, match="did you mean h200-pd-1node"):
         make_plan("h200-pd-1nod")
+
+
+UNOFFERED = sorted(cat.load().unoffered)
+
+
+def test_the_matrix_leaves_out_what_004_excludes():
+    """NVFP4 off Blackwell and BF16 on one MI300X node; nothing else, nothing listed."""
+    c = cat.load()
+    want = {f"sglang-{hw}-{s}-nvfp4" for hw in ("h200", "mi300x", "mi325x", "mi355x")
+            for s in ("low-latency", "balanced", "high-throughput")}
+    want |= {f"sglang-mi300x-{s}-bf16" for s in ("low-latency", "balanced", "high-throughput")}
+    assert set(UNOFFERED) == want
+    assert not set(UNOFFERED) & set(c.targets)
+
+
+@pytest.mark.parametrize("name", UNOFFERED)
+def test_an_unoffered_cell_is_refused_with_a_rules_reason_and_offered_names(name):
+    c = cat.load()
+    with pytest.raises(PlanError) as err:
+        make_plan(name)
+    (problem,) = err.value.problems
+    assert problem.field == "target" and f"{name} is not offered: " in problem.message
+    reason = "runs only on Blackwell" if name.endswith("-nvfp4") else "GiB of weights"
+    assert reason in problem.message  # a rule's message, not a catalog note
+    suggested = [w.strip(",") for w in problem.fix.split() if w.startswith("sglang-")]
+    assert suggested and all(n in c.targets for n in suggested), problem.fix
+    assert suggested[0] == name.rsplit("-", 1)[0]  # FP8 on the same GPUs first
+
+
+def test_bf16_on_mi300x_gives_the_catalogs_numbers():
+    c = cat.load()
+    weights = c.models["glm-5.3-bf16"].weight_gib
+    hw = c.hardware["mi300x"]
+    usable = hw.gpus_per_node * hw.memory_mib / 1024 * 0.8  # the matrix's mem_fraction
+    with pytest.raises(PlanError) as err:
+        make_plan("sglang-mi300x-balanced-bf16")
+    text = str(err.value)
+    assert f"needs {weights:.0f} GiB of weights" in text
+    assert f"= {usable:.0f} GiB on 1 {hw.product} node" in text
+    assert f"({usable * 0.85:.0f} GiB) may hold weights" in text
+    assert "sglang-mi300x-balanced (FP8" in text
+    assert "sglang-mi325x-balanced-bf16, sglang-mi355x-balanced-bf16 (BF16" in text
+
+
+def test_nvfp4_on_hopper_suggests_fp8_there_and_nvfp4_on_blackwell():
+    with pytest.raises(PlanError) as err:
+        make_plan("sglang-h200-balanced-nvfp4")
+    text = str(err.value)
+    assert "NVFP4, which runs only on Blackwell, not on NVIDIA H200" in text
+    assert "use sglang-h200-balanced (FP8 on NVIDIA H200)" in text
+    for hw in ("b200", "b300", "gb300"):
+        assert f"sglang-{hw}-balanced-nvfp4" in text
+
+
+def test_an_unknown_name_is_still_unknown():
+    with pytest.raises(PlanError, match="unknown target 'sglang-h200-balanced-fp4'.*did you "
+                       "mean"):
+        make_plan("sglang-h200-balanced-fp4")
 
 
 def test_inventory_with_the_wrong_groups_is_refused():

@@ -579,6 +579,8 @@ def _host_requirements(plan: Plan, inventory: inv_mod.Inventory) -> dict[str, di
             }
             req["driver_floor"] = hw.driver_floor
             req["rocm_floor"] = hw.rocm_floor
+            # an NVSwitch fabric: the host decides whether it runs the fabric manager itself
+            # or someone else (a hypervisor) does (gpu_facts fabric_manager_mode)
             req["fabric_manager"] = "fabric_manager" in hw.host_software
             req["nvlsm"] = "nvlsm" in hw.host_software
             req["imex"] = (

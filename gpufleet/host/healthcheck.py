@@ -157,6 +157,9 @@ def validate(raw):
                                  "an integer >= 1"),
         "xid_fatal": _field(gpu, "xid_fatal", "gpu", (list,), DEFAULT_XID_FATAL,
                             lambda v: all(isinstance(x, int) for x in v), "a list of integers"),
+        # the NVLink fabric is managed outside this host (gpu_facts.fabric_manager_mode
+        # external): its GPUs' fabric state stands in for a local nvidia-fabricmanager unit
+        "fabric": _field(gpu, "fabric", "gpu", (bool,), False),
     }
     return cfg
 
@@ -377,10 +380,18 @@ def check_gpu(cfg):
             problems.append(f"{where}: page retirement pending (needs a GPU reset)")
     if cfg["count"] is not None and len(gpus) < cfg["count"]:
         problems.append(f"{len(gpus)} GPUs visible, {cfg['count']} expected")
+    down = ["GPU {} {}/{}".format(g["index"], g["fabric"]["state"] or "N/A",
+                                  g["fabric"]["status"] or "N/A")
+            for g in facts["gpus"] if not gpu_facts.fabric_ok(g["fabric"])]
+    if cfg.get("fabric") and down:
+        problems.append("NVLink fabric not Completed/Success ({}); it is managed outside this "
+                        "host. Fix: the hypervisor's fabric manager must bring it up (ask the "
+                        "provider, or stop and start the VM)".format(", ".join(down)))
     if problems:
         return result("gpu", "", FAIL, "; ".join(problems), started), gpus
-    return result("gpu", "", OK, f"{len(gpus)} GPUs, no uncorrected ECC errors, nothing pending",
-                  started), gpus
+    fabric = ", NVLink fabric Completed/Success" if cfg.get("fabric") else ""
+    return result("gpu", "", OK, f"{len(gpus)} GPUs, no uncorrected ECC errors, nothing pending"
+                  + fabric, started), gpus
 
 
 def check_xid(cfg):

@@ -23,6 +23,8 @@ What the lab code must do besides writing the files:
   comment); create each with ``mknod -m 0666 path c major minor`` (parents
   0755). They exist to be found (``stat``, ``test -c``); nothing opens them, so
   do not grant the container access to those majors (no ``DeviceAllow=``).
+  ``/dev/nvidia-nvswitchN`` exist only where the profile's host owns its NVSwitches
+  (``nvswitches``); a virtual machine's (h200x2) belong to its hypervisor.
 * **/proc/driver/nvidia/version**: procfs cannot be written and
   ``/proc/driver/nvidia`` does not exist in a host without the driver. Bind-mount
   the rendered directory ``/etc/gpufleet-lab/proc/driver`` read-only over
@@ -166,7 +168,7 @@ def build_hw(profile: str, faults: list[str], hostname: str) -> dict:
                 "serial": str(int(_digest("serial", hostname, index)[:12], 16))[:13].rjust(13, "1"),
                 "minor": index,
                 "module_id": index + 1,
-                "numa": index // half,
+                "numa": min(index // half, len(spec["numa_cpus"]) - 1),
                 "cpus": spec["numa_cpus"][min(index // half, len(spec["numa_cpus"]) - 1)],
             }
         )
@@ -211,7 +213,15 @@ def build_hw(profile: str, faults: list[str], hostname: str) -> dict:
                     "dtd": effects.get("dtd", "nvsmi_device_v13.dtd"),
                 },
                 "fabric_manager": fm,
-                "fabric": spec["fabric"],
+                "nvswitches": spec.get("nvswitches", 0),
+                "fabric": {
+                    **spec["fabric"],
+                    **{
+                        key: effects["fabric_" + key]
+                        for key in ("state", "status")
+                        if "fabric_" + key in effects
+                    },
+                },
                 "imex": {
                     "enabled": True,
                     "peers_connected": effects.get("imex_peers_connected", True),
@@ -258,6 +268,9 @@ def devices(hw: dict) -> list[tuple[str, int, int]]:
         ]
         if hw.get("imex"):
             nodes.append(("/dev/nvidia-caps-imex-channels/channel0", 507, 0))
+        if hw.get("nvswitches"):  # NVSwitches this host owns (not a VM's hypervisor's)
+            nodes.append(("/dev/nvidia-nvswitchctl", 509, 255))
+            nodes += [(f"/dev/nvidia-nvswitch{i}", 509, i) for i in range(hw["nvswitches"])]
     else:
         nodes.append(("/dev/kfd", 235, 0))
         for g in hw["gpus"]:

@@ -15,6 +15,7 @@ what was available into the shapes the roles read (``gpufleet_gpu`` and
 from __future__ import annotations
 
 import json
+import os
 import re
 import xml.etree.ElementTree as ET
 
@@ -327,6 +328,92 @@ def parse_fabricmanager_version(text):
     return match.group(1) if match else None
 
 
+# NVSwitch: NVIDIA (0x10de) PCI functions of class "bridge, other" (0x0680); GPUs are 0x03xx.
+NVIDIA_PCI_VENDOR = "0x10de"
+NVSWITCH_PCI_CLASS = "0x0680"
+
+
+def find_nvswitches(dev="/dev", pci="/sys/bus/pci/devices"):
+    """NVSwitches this host owns: ``/dev/nvidia-nvswitchN`` device nodes, and NVSwitch PCI
+    functions (visible before anything created the nodes). Sorted names; [] when none.
+
+    A virtual machine on a shared NVSwitch system sees neither: the hypervisor keeps the
+    switches and runs their fabric manager.
+    """
+    found = set()
+    try:
+        names = os.listdir(dev)
+    except OSError:
+        names = []
+    found.update(os.path.join(dev, n) for n in names if re.fullmatch(r"nvidia-nvswitch\d+", n))
+    try:
+        functions = os.listdir(pci)
+    except OSError:
+        functions = []
+    for function in functions:
+        ids = []
+        for attr in ("vendor", "class"):
+            try:
+                with open(os.path.join(pci, function, attr)) as handle:
+                    ids.append(handle.read().strip().lower())
+            except OSError:
+                ids.append("")
+        if ids[0] == NVIDIA_PCI_VENDOR and ids[1].startswith(NVSWITCH_PCI_CLASS):
+            found.add("pci:" + function)
+    return sorted(found)
+
+
+def fabric_ok(fabric):
+    """A GPU's (or the host's) NVLink fabric is up: state Completed, status Success."""
+    fabric = fabric or {}
+    return fabric.get("state") == "Completed" and fabric.get("status") == "Success"
+
+
+def fabric_manager_mode(fabric, nvswitches):
+    """Where this host's NVLink fabric is managed, the one rule every role and check uses.
+
+    ``local``: the host sees NVSwitches (``nvswitches`` non-empty): its own
+    nv-fabricmanager must run them. ``external``: no NVSwitch here, yet the GPUs report a
+    fabric state: a hypervisor (shared NVSwitch virtualization) or the NVLink switch trays
+    run the fabric; a fabric manager installed here would find no switch to manage.
+    ``none``: neither: the GPUs are not on an NVSwitch fabric (PCIe cards, a one-GPU slice).
+    """
+    if nvswitches:
+        return "local"
+    if (fabric or {}).get("supported"):
+        return "external"
+    return "none"
+
+
+def fabric_problem(facts, host="this host"):
+    """For a host whose plan needs an NVSwitch fabric: why it cannot have one, naming the
+    state and the fix; None where it can (it owns the switches and runs the fabric manager
+    itself, or the fabric is managed outside it and up)."""
+    mode = facts.get("fabric_manager")
+    fabric = facts.get("fabric") or {}
+    if mode in (None, "local") or (mode == "external" and fabric.get("ok")):
+        return None  # undecided (no NVIDIA GPU facts), or nothing in the way
+    if mode == "external":
+        return (
+            "the NVLink fabric of {host} is managed outside it (no /dev/nvidia-nvswitch*, no "
+            "NVSwitch on PCI: a virtual machine on a shared NVSwitch system) and nvidia-smi -q "
+            "reports Fabric State {state}, Status {status}; a fabric manager installed here "
+            "would find no switch to manage. Fix: the hypervisor's fabric manager must bring "
+            "this VM's GPU partition up (ask the provider, or stop and start the VM), then "
+            "re-run".format(
+                host=host,
+                state=fabric.get("state") or "mixed/unknown",
+                status=fabric.get("status") or "N/A",
+            )
+        )
+    return (
+        f"{host} shows no NVSwitch (no /dev/nvidia-nvswitch*, none on PCI) and its GPUs report "
+        "no NVLink fabric (nvidia-smi -q: Fabric State N/A), but the target's hardware is an "
+        "NVSwitch system. Fix: use hosts whose GPUs share an NVSwitch fabric (nvidia-smi topo "
+        "-m shows NV# between them), or a target for this hardware"
+    )
+
+
 def parse_imex_status(text):
     """Parse ``nvidia-imex-ctl -N``: node states, connectivity and domain state."""
     nodes = []
@@ -596,6 +683,7 @@ def _nvidia_facts(facts, xml, query, topo, nvlink, proc_version, fm_version, ime
                         [g.get("fabric", {}).get("cluster_uuid") for g in gpus]
                     ),
                     "completed": all(s == "Completed" for s in fabric_states),
+                    "ok": all(fabric_ok(g.get("fabric")) for g in gpus),
                     "supported": any(s is not None for s in fabric_states),
                 },
             }
@@ -662,6 +750,9 @@ def empty_gpu_facts():
         "topology": None,
         "nvlink": None,
         "fabric_manager_version": None,
+        "nvswitches": None,
+        "fabric_manager": None,
+        "fabric_problem": None,
         "imex": None,
         "gpus": [],
     }
@@ -678,8 +769,13 @@ def gpu_facts(
     amd_static=None,
     rocm_smi=None,
     rocm_version=None,
+    nvswitches=None,
 ):
-    """Combine whatever tool output is available into ``gpufleet_gpu``."""
+    """Combine whatever tool output is available into ``gpufleet_gpu``.
+
+    ``nvswitches`` is ``find_nvswitches()`` on the host; with it, NVIDIA hosts get
+    ``fabric_manager`` (``fabric_manager_mode``: local, external or none).
+    """
     facts = empty_gpu_facts()
     if xml or query:
         _nvidia_facts(facts, xml, query, topo, nvlink, proc_version, fm_version, imex)
@@ -690,6 +786,11 @@ def gpu_facts(
         facts["kernel_module"] = parse_proc_driver_version(proc_version)
         facts["driver_version"] = facts["kernel_module"]["version"]
     facts["present"] = facts["count"] > 0
+    if nvswitches is not None:
+        facts["nvswitches"] = list(nvswitches)
+        if facts["vendor"] == "nvidia":
+            facts["fabric_manager"] = fabric_manager_mode(facts["fabric"], nvswitches)
+            facts["fabric_problem"] = fabric_problem(facts)
     return facts
 
 

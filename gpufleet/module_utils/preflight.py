@@ -110,6 +110,9 @@ def check_host(req, gpu, ib=None, cpu_arch=None, cache_free_gib=None, listening=
         problems += _check_gpu(want, gpu or {}, req)
     if req.get("rdma"):
         problems += _check_rdma(ib or {}, req)
+    if req.get("fabric_manager") and (gpu or {}).get("fabric_problem"):
+        # an NVSwitch fabric this host neither runs nor has up (gpu_facts.fabric_problem)
+        problems.append(gpu["fabric_problem"])
     cache = req.get("cache") or {}
     need = cache.get("min_free_gib")
     if need is not None and cache_free_gib is not None and cache_free_gib < need:

@@ -298,6 +298,11 @@ def test_ansible_module_against_simulated_h200(tmp_path):
         dest.chmod(mode)
     bindir = tmp_path / "fakebin"
     bindir.mkdir()
+    dev = tmp_path / "dev"  # the simulator's device list, as names (mknod needs root)
+    dev.mkdir()
+    for line in (tmp_path / "etc/gpufleet-lab/devices").read_text().splitlines():
+        if line.startswith("/dev/nvidia"):
+            (dev / Path(line.split()[0]).name).touch()
     for tool in (
         "usr/bin/nvidia-smi",
         "usr/bin/nv-fabricmanager",
@@ -327,7 +332,8 @@ def test_ansible_module_against_simulated_h200(tmp_path):
             str(REPO / "gpufleet/ansible_plugins/modules"),
             "--check",
             "-a",
-            f"proc_driver_version={tmp_path}/etc/gpufleet-lab/proc/driver/nvidia/version",
+            f"proc_driver_version={tmp_path}/etc/gpufleet-lab/proc/driver/nvidia/version"
+            f" dev_dir={dev} pci_devices_dir={tmp_path}/no-pci",
         ],
         env=env,
         capture_output=True,
@@ -345,3 +351,147 @@ def test_ansible_module_against_simulated_h200(tmp_path):
     assert gpu["topology"]["gpu_link"] == "NV18"
     assert gpu["errors"] == []
     assert ib["active"] == [f"mlx5_{i}" for i in range(8)]
+    # HGX H200 owns its four NVSwitches: the fabric manager runs here
+    assert gpu["nvswitches"] == [str(dev / f"nvidia-nvswitch{i}") for i in range(4)]
+    assert gpu["fabric_manager"] == "local"
+    assert gpu["fabric_problem"] is None
+
+
+# --------------------------------------------------------------------------- fabric manager:
+# where the NVLink fabric is managed, from the GPUs' fabric state and the switches the host
+# sees (a real 2x H200 virtual machine: fabric Completed/Success, no NVSwitch of its own).
+
+H200X2 = REPO / "tests/fixtures/hardware/h200x2"
+
+
+def h200x2_facts(nvswitches=(), state=None, status=None):
+    xml = (H200X2 / "nvidia-smi-q.xml").read_text()
+    if state:
+        xml = xml.replace("<state>Completed</state>", f"<state>{state}</state>")
+    if status:
+        xml = xml.replace("<status>Success</status>", f"<status>{status}</status>")
+    return gf.gpu_facts(
+        xml=xml,
+        topo=(H200X2 / "topo.txt").read_text(),
+        nvlink=(H200X2 / "nvlink-s.txt").read_text(),
+        nvswitches=list(nvswitches),
+    )
+
+
+def test_real_2x_h200_vm_fabric_is_managed_outside_it():
+    facts = h200x2_facts()
+    assert (facts["count"], facts["model"]) == (2, "NVIDIA H200")
+    assert facts["driver_version"] == "580.159.04"
+    assert facts["topology"]["gpu_link"] == "NV18"
+    assert facts["nvlink"]["active_links_per_gpu"] == [18, 18]
+    assert [g["bus_id"] for g in facts["gpus"]] == ["00000000:00:06.0", "00000000:00:07.0"]
+    assert facts["fabric"] == {
+        "state": "Completed",
+        "status": "Success",
+        "clique_id": "0",
+        "cluster_uuid": "00000000-0000-0000-0000-000000000000",
+        "completed": True,
+        "ok": True,
+        "supported": True,
+    }
+    assert facts["nvswitches"] == []
+    assert facts["fabric_manager"] == "external"
+    assert facts["fabric_problem"] is None
+
+
+def test_switches_the_host_owns_make_the_fabric_manager_local():
+    facts = h200x2_facts(nvswitches=["/dev/nvidia-nvswitch0"], state="In Progress", status="N/A")
+    assert facts["fabric_manager"] == "local"
+    assert facts["fabric_problem"] is None  # the local fabric manager brings it up
+
+
+@pytest.mark.parametrize(
+    "state, status",
+    [("In Progress", "N/A"), ("Not Started", "N/A"), ("Completed", "NV_ERR_NVLINK_BAD_STATE")],
+)
+def test_external_fabric_not_up_is_refused_with_its_state_and_the_fix(state, status):
+    facts = h200x2_facts(state=state, status=status)
+    assert facts["fabric_manager"] == "external"
+    assert facts["fabric"]["ok"] is False
+    problem = facts["fabric_problem"]
+    assert f"Fabric State {state}, Status {status}" in problem
+    assert "no /dev/nvidia-nvswitch*" in problem
+    assert "Fix: the hypervisor's fabric manager" in problem
+
+
+def test_no_switch_and_no_fabric_is_none_and_refused():
+    facts = gf.gpu_facts(xml=(H200 / "nvidia-smi-q.xml").read_text(), nvswitches=[])
+    assert facts["fabric_manager"] == "none"
+    assert "Fabric State N/A" in facts["fabric_problem"]
+    assert "Fix: use hosts whose GPUs share an NVSwitch fabric" in facts["fabric_problem"]
+
+
+def test_not_decided_without_looking_for_switches():
+    facts = h200x2_facts()
+    undecided = gf.gpu_facts(xml=(H200X2 / "nvidia-smi-q.xml").read_text())
+    assert facts["fabric_manager"] == "external"
+    assert (undecided["nvswitches"], undecided["fabric_manager"]) == (None, None)
+    assert undecided["fabric_problem"] is None
+
+
+def test_find_nvswitches_device_nodes_and_pci_functions(tmp_path):
+    dev, pci = tmp_path / "dev", tmp_path / "pci"
+    names = ("nvidia0", "nvidiactl", "nvidia-nvswitchctl", "nvidia-nvswitch0", "nvidia-nvswitch1")
+    for name in names:
+        (dev / name).parent.mkdir(parents=True, exist_ok=True)
+        (dev / name).touch()
+    functions = {
+        "0000:05:00.0": ("0x10de", "0x068000"),  # NVSwitch (bridge, other)
+        "0000:18:00.0": ("0x10de", "0x030200"),  # H200 (3D controller)
+        "0000:00:1f.0": ("0x8086", "0x068000"),  # someone else's bridge
+    }
+    for function, (vendor, klass) in functions.items():
+        (pci / function).mkdir(parents=True)
+        (pci / function / "vendor").write_text(vendor + "\n")
+        (pci / function / "class").write_text(klass + "\n")
+    assert gf.find_nvswitches(str(dev), str(pci)) == [
+        str(dev / "nvidia-nvswitch0"),
+        str(dev / "nvidia-nvswitch1"),
+        "pci:0000:05:00.0",
+    ]
+    assert gf.find_nvswitches(str(tmp_path / "none"), str(tmp_path / "none")) == []
+
+
+def test_preflight_refuses_an_external_fabric_that_is_not_up_before_any_change():
+    from gpufleet.module_utils import preflight
+
+    req = {"fabric_manager": True}
+    assert preflight.check_host(req, h200x2_facts()) == []
+    problems = preflight.check_host(req, h200x2_facts(state="In Progress", status="N/A"))
+    assert len(problems) == 1 and "Fabric State In Progress" in problems[0]
+    # a target without an NVSwitch fabric does not care
+    assert preflight.check_host({}, h200x2_facts(state="In Progress", status="N/A")) == []
+
+
+@pytest.mark.parametrize(
+    "state, healthy",
+    [("Completed", True), ("In Progress", False)],
+)
+def test_health_checker_checks_an_external_fabric_state(monkeypatch, state, healthy):
+    from gpufleet.host import healthcheck
+
+    xml = (
+        (H200X2 / "nvidia-smi-q.xml")
+        .read_text()
+        .replace("<state>Completed</state>", f"<state>{state}</state>")
+    )
+    monkeypatch.setattr(healthcheck.shutil, "which", lambda tool: "/usr/bin/" + tool)
+    monkeypatch.setattr(healthcheck, "run", lambda argv, timeout: (0, xml, ""))
+    cfg = healthcheck.validate({"gpu": {"vendor": "nvidia", "count": 2, "fabric": True}})["gpu"]
+    result, gpus = healthcheck.check_gpu(cfg)
+    assert len(gpus) == 2
+    if healthy:
+        assert result["status"] == "ok", result
+        assert "NVLink fabric Completed/Success" in result["detail"]
+    else:
+        assert result["status"] == "fail"
+        assert "GPU 0 In Progress/Success, GPU 1 In Progress/Success" in result["detail"]
+        assert "Fix: the hypervisor's fabric manager" in result["detail"]
+    # without the flag (a local fabric manager's unit is checked instead) the state is not
+    off = healthcheck.validate({"gpu": {"vendor": "nvidia", "count": 2}})["gpu"]
+    assert healthcheck.check_gpu(off)[0]["status"] == "ok"

@@ -17,6 +17,7 @@ from gpufleet.lab import hwsim
 from gpufleet.module_utils import gpu_facts as gf
 
 REAL_XML = Path(__file__).resolve().parents[1] / "fixtures/hardware/h200-1gpu/nvidia-smi-q.xml"
+REAL_VM = Path(__file__).resolve().parents[1] / "fixtures/hardware/h200x2"
 
 
 class Host:
@@ -32,6 +33,13 @@ class Host:
             dest.chmod(mode)
         self.env = dict(os.environ, GPUFLEET_LAB_ROOT=str(root))
         self.procs: list[subprocess.Popen] = []
+        # the device list's nodes, as names (mknod needs root): what find_nvswitches sees
+        if "/etc/gpufleet-lab/devices" in self.files:
+            for line in self.read("/etc/gpufleet-lab/devices").splitlines():
+                if line.startswith("/dev/"):
+                    node = root / line.split()[0].lstrip("/")
+                    node.parent.mkdir(parents=True, exist_ok=True)
+                    node.touch()
 
     def tool(self, name: str) -> Path:
         found = [p for p in self.files if p.endswith("/" + name)]
@@ -90,6 +98,7 @@ class Host:
             nvlink=self.out("nvidia-smi", "nvlink", "-s"),
             proc_version=self.read("/etc/gpufleet-lab/proc/driver/nvidia/version"),
             fm_version=fm,
+            nvswitches=gf.find_nvswitches(str(self.root / "dev"), str(self.root / "no-pci")),
         )
 
     def ib_facts(self) -> dict:
@@ -118,6 +127,7 @@ def host(tmp_path):
 
 EXPECTED = {
     "h200x8": ("NVIDIA H200", 8, "hopper", "9.0", 143771),
+    "h200x2": ("NVIDIA H200", 2, "hopper", "9.0", 143771),
     "b200x8": ("NVIDIA B200", 8, "blackwell", "10.0", 183359),
     "gb200x4": ("NVIDIA GB200", 4, "blackwell", "10.0", 189471),
     "mi355x8": ("AMD Instinct MI355X", 8, "cdna4", "gfx950", 294896),
@@ -142,12 +152,16 @@ def test_profile_parses_to_its_hardware(host, profile):
     assert target in (facts["compute_capability"], facts["gfx_target"])
     assert len({g["uuid"] if "uuid" in g else g["bus_id"] for g in facts["gpus"]}) == count
     ib = h.ib_facts()
-    assert ib["count"] == (4 if profile == "gb200x4" else 8)
-    assert ib["all_active"] is True
-    assert ib["link_layers"] == ["InfiniBand"]
-    assert ib["peermem_loaded"] is False
     devices = h.read("/etc/gpufleet-lab/devices")
-    assert "/dev/infiniband/uverbs0 231 192" in devices
+    assert ib["peermem_loaded"] is False
+    if profile == "h200x2":  # the virtual machine has no HCA
+        assert (ib["count"], ib["all_active"]) == (0, False)
+        assert "/dev/infiniband" not in devices
+    else:
+        assert ib["count"] == (4 if profile == "gb200x4" else 8)
+        assert ib["all_active"] is True
+        assert ib["link_layers"] == ["InfiniBand"]
+        assert "/dev/infiniband/uverbs0 231 192" in devices
     if facts["vendor"] == "nvidia":
         assert facts["driver_version"] == "580.159.04"
         assert facts["cuda_version"] == "13.0"
@@ -210,6 +224,7 @@ def test_faults_are_validated_and_other_labs_faults_ignored():
         "ib-down",
         "peermem-missing",
         "imex-down",
+        "fabric-pending",
         "disk-small",
         "flashinfer-old",
         "flashinfer-split",
@@ -250,6 +265,63 @@ def test_fabric_manager_brings_the_fabric_to_completed(host):
     assert facts["fabric"]["completed"] is True
     assert facts["fabric_manager_matches_driver"] is True
     assert h.out("nvlsm", "--version").startswith("nvlsm version")
+
+
+def test_hgx_hosts_own_their_nvswitches_and_run_the_fabric_manager(host):
+    for profile, switches in (("h200x8", 4), ("b200x8", 2)):
+        h = host(profile)
+        facts = h.gpu_facts()
+        assert facts["nvswitches"] == [
+            str(h.root / f"dev/nvidia-nvswitch{i}") for i in range(switches)
+        ]
+        assert facts["fabric_manager"] == "local"
+        assert "/dev/nvidia-nvswitchctl 509 255" in h.read("/etc/gpufleet-lab/devices")
+    # a GB200 tray's fabric belongs to the NVLink switch trays
+    assert host("gb200x4").gpu_facts()["fabric_manager"] == "external"
+
+
+def test_h200x2_is_the_real_2x_h200_virtual_machine(host):
+    """Same XML elements, topology and links as the real VM; fabric up, run by the hypervisor."""
+    h = host("h200x2")
+
+    def paths(gpu):
+        return {e.tag for e in gpu.iter()}
+
+    real = ET.parse(REAL_VM / "nvidia-smi-q.xml").getroot().findall("gpu")
+    sim = ET.fromstring(h.out("nvidia-smi", "-q", "-x")).findall("gpu")
+    assert [g.get("id") for g in sim] == [g.get("id") for g in real]
+    assert [paths(g) for g in sim] == [paths(g) for g in real]
+    for tag in (
+        "fabric/state",
+        "fabric/status",
+        "fabric/cliqueId",
+        "fabric/clusterUuid",
+        "fabric/health/summary",
+        "product_name",
+        "vbios_version",
+        "fb_memory_usage/total",
+    ):
+        assert [g.findtext(tag) for g in sim] == [g.findtext(tag) for g in real], tag
+    assert gf.parse_topo(h.out("nvidia-smi", "topo", "-m")) == gf.parse_topo(
+        (REAL_VM / "topo.txt").read_text()
+    )
+    real_links = gf.parse_nvlink_status((REAL_VM / "nvlink-s.txt").read_text())
+    sim_links = gf.parse_nvlink_status(h.out("nvidia-smi", "nvlink", "-s"))
+    assert [g["links"] for g in sim_links] == [g["links"] for g in real_links]
+    assert not h.has("nv-fabricmanager")
+    assert "/lib/systemd/system/nvidia-fabricmanager.service" not in h.files
+    assert "nvswitch" not in h.read("/etc/gpufleet-lab/devices")
+    facts = h.gpu_facts()
+    assert (facts["fabric"]["ok"], facts["nvswitches"]) == (True, [])
+    assert facts["fabric_manager"] == "external"
+    assert facts["fabric_problem"] is None
+
+
+def test_fault_fabric_pending_on_the_vm(host):
+    facts = host("h200x2", "fabric-pending").gpu_facts()
+    assert (facts["fabric"]["state"], facts["fabric"]["status"]) == ("In Progress", None)
+    assert facts["fabric_manager"] == "external"
+    assert "Fabric State In Progress, Status N/A" in facts["fabric_problem"]
 
 
 def test_fault_fm_mismatch(host):

@@ -13,6 +13,9 @@ description:
   - Runs the vendor tools that are present on the host (C(nvidia-smi), C(nv-fabricmanager),
     C(nvidia-imex-ctl), C(amd-smi) or C(rocm-smi), C(ibv_devinfo) or C(ibstat), C(lsmod)) and
     reads C(/proc/driver/nvidia/version) and C(/opt/rocm/.info/version).
+  - On NVIDIA hosts it also looks for the NVSwitches the host owns (C(/dev/nvidia-nvswitchN),
+    NVSwitch PCI functions) and decides where the NVLink fabric is managed
+    (C(gpufleet_gpu.fabric_manager)), from them and the GPUs' fabric state.
   - Parses their output with gpufleet's one parser (module_utils C(gpu_facts)) and returns
     C(gpufleet_gpu) and C(gpufleet_ib) as facts.
   - Read-only; never changes anything, so it runs unchanged in check mode.
@@ -41,6 +44,14 @@ options:
     description: Where the ROCm installation records its version.
     type: path
     default: /opt/rocm/.info/version
+  dev_dir:
+    description: Where the NVSwitch device nodes (C(nvidia-nvswitchN)) are looked for.
+    type: path
+    default: /dev
+  pci_devices_dir:
+    description: Where NVSwitch PCI functions (vendor 0x10de, class 0x0680) are looked for.
+    type: path
+    default: /sys/bus/pci/devices
 attributes:
   check_mode:
     support: full
@@ -81,7 +92,12 @@ ansible_facts:
           example C(gfx950)), C(memory_mib) (smallest GPU), C(driver_version),
           C(cuda_version), C(rocm_version), C(kernel_module) (from /proc/driver/nvidia/version),
           C(persistence_mode), C(ecc_mode), C(mig_mode), C(ecc_errors), C(fabric) (state,
-          status, clique_id, cluster_uuid, completed, supported), C(topology) (gpus, nics,
+          status, clique_id, cluster_uuid, completed, ok (every GPU Completed and Success),
+          supported), C(nvswitches) (device nodes and PCI functions of the NVSwitches this host
+          owns), C(fabric_manager) (where the NVLink fabric is managed: C(local) where the
+          host owns NVSwitches, C(external) where it sees none but the GPUs report a fabric
+          state (a VM on a shared NVSwitch system, NVLink switch trays), C(none) without a
+          fabric; null on AMD), C(topology) (gpus, nics,
           matrix, affinity, gpu_link such as C(NV18)), C(nvlink) (per-GPU links),
           C(fabric_manager_version), C(fabric_manager_matches_driver), C(imex) (domain_state,
           nodes, connectivity, all_connected), C(gpus) (one dict per device), C(errors).
@@ -100,7 +116,9 @@ ansible_facts:
         persistence_mode: true
         ecc_mode: true
         mig_mode: false
-        fabric: {state: Completed, status: Success, completed: true}
+        fabric: {state: Completed, status: Success, completed: true, ok: true}
+        nvswitches: [/dev/nvidia-nvswitch0, /dev/nvidia-nvswitch1]
+        fabric_manager: local
         fabric_manager_version: 580.159.04
     gpufleet_ib:
       description:
@@ -122,7 +140,7 @@ ansible_facts:
 import os  # noqa: E402 (Ansible modules keep DOCUMENTATION first)
 
 from ansible.module_utils.basic import AnsibleModule  # noqa: E402
-from ansible.module_utils.gpu_facts import gpu_facts, ib_facts  # noqa: E402
+from ansible.module_utils.gpu_facts import find_nvswitches, gpu_facts, ib_facts  # noqa: E402
 
 ALL = ["gpu", "topology", "nvlink", "fabric_manager", "imex", "ib"]
 QUERY = (
@@ -181,6 +199,9 @@ def gather(module):
             nvidia["fm_version"] = probe.run("nv-fabricmanager", "--version")
         if "imex" in collect:
             nvidia["imex"] = probe.run("nvidia-imex-ctl", "-N")
+        nvidia["nvswitches"] = find_nvswitches(
+            module.params["dev_dir"], module.params["pci_devices_dir"]
+        )
     elif module.get_bin_path("amd-smi") or module.get_bin_path("rocm-smi"):
         amd["amd_static"] = probe.run("amd-smi", "static", "--json")
         if not amd["amd_static"]:
@@ -212,6 +233,8 @@ def main():
             "timeout": {"type": "int", "default": 60},
             "proc_driver_version": {"type": "path", "default": "/proc/driver/nvidia/version"},
             "rocm_version_file": {"type": "path", "default": "/opt/rocm/.info/version"},
+            "dev_dir": {"type": "path", "default": "/dev"},
+            "pci_devices_dir": {"type": "path", "default": "/sys/bus/pci/devices"},
         },
         supports_check_mode=True,
     )

@@ -113,7 +113,10 @@ def fabric(hw):
     fm = hw.get("fabric_manager")
     if fm and not daemon_running("nv-fabricmanager"):
         return "In Progress", "N/A", "N/A", "N/A", "N/A"
-    return "Completed", "Success", fab["clique_id"], fab["cluster_uuid"], "Healthy"
+    if fab.get("state"):  # a fabric run outside the host, in the state a fault put it
+        return fab["state"], fab.get("status", "N/A"), "N/A", "N/A", "N/A"
+    health = fab.get("health", "Healthy")
+    return "Completed", "Success", fab["clique_id"], fab["cluster_uuid"], health
 
 
 def sub(block, tag, value):

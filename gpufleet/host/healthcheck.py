@@ -12,9 +12,11 @@ the engine core is wedged). Per host: GPU health from the driver (ECC, pending p
 retirement or row remapping, fatal Xid events in the kernel log), free space on the
 cache filesystem. Writes Prometheus textfile metrics atomically (temp file in the same
 directory, then rename), logs one line per check (stdout, or stderr with --json) and
-exits 0 healthy, 1 unhealthy, 2 config error. After N consecutive failures of a unit
-past its start-up window it runs `systemctl restart --no-block UNIT`, at most once per
-cooldown. --no-restart observes only: no restart, the state file is left alone.
+exits 0 healthy, 1 unhealthy, 2 config error. Every configured check gives a result on
+every run (ok, fail, na or error); a check that raises is an error, and unhealthy.
+After N consecutive failures of a unit past its start-up window it runs
+`systemctl restart --no-block UNIT`, at most once per cooldown. --no-restart observes
+only: no restart, the state file is left alone.
 
 The config is JSON (leading '#' lines are comments); see roles/health/README.md.
 Secrets: an API key is read from a file and sent in a header; it never appears in argv,
@@ -36,6 +38,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -56,7 +59,10 @@ DEFAULT_STATE = "/var/lib/gpufleet/health-state.json"
 # ECC, GSP timeout/error, unrecovered ECC, reset required.
 DEFAULT_XID_FATAL = [48, 61, 62, 64, 74, 79, 95, 119, 120, 140, 154]
 XID_RE = re.compile(r"NVRM: Xid \(([^)]*)\): (\d+)")
-OK, FAIL, NA = "ok", "fail", "na"
+# error: the check raised (a bug or an environment the checker did not expect); unhealthy
+# like fail, but never counted towards a restart (the unit may be fine)
+OK, FAIL, NA, ERROR = "ok", "fail", "na", "error"
+STATUSES = (OK, FAIL, NA, ERROR)
 
 
 class ConfigError(Exception):
@@ -208,6 +214,34 @@ def result(check, unit, status, detail, started, **extra):
     return out
 
 
+def crashed(check, unit, exc, started):
+    """The result of a check that raised: an error naming the exception, never a pass."""
+    at = ""
+    if exc.__traceback__ is not None:  # where it raised: the innermost frame
+        frame = traceback.extract_tb(exc.__traceback__)[-1]
+        at = f" (at {os.path.basename(frame.filename)}:{frame.lineno} in {frame.name})"
+    detail = f"check raised {type(exc).__name__}: {first_line(str(exc))}{at}"
+    return result(check, unit, ERROR, detail, started)
+
+
+def guarded(check, unit, fn, *args):
+    """fn(*args) -> result, or an error result for (check, unit) when fn raises."""
+    started = time.monotonic()
+    try:
+        return fn(*args)
+    except Exception as exc:  # noqa: BLE001 - a check that raises is an error, not a pass
+        return crashed(check, unit, exc, started)
+
+
+def guarded_host(check, fn, cfg, empty):
+    """A host check: fn(cfg) -> (result, extra), or (error result, empty) when it raises."""
+    started = time.monotonic()
+    try:
+        return fn(cfg)
+    except Exception as exc:  # noqa: BLE001
+        return crashed(check, "", exc, started), empty
+
+
 def run(argv, timeout):
     """(rc, stdout, stderr); rc None when the tool is missing or timed out."""
     try:
@@ -238,6 +272,14 @@ def unit_status(unit):
     return {"active_state": values.get("ActiveState", "unknown"),
             "load_state": values.get("LoadState", "unknown"),
             "age_s": age, "nrestarts": int(values.get("NRestarts") or 0)}
+
+
+def safe_unit_status(unit):
+    """unit_status, or {"raised": detail} when it raises (the active check is then an error)."""
+    try:
+        return unit_status(unit)
+    except Exception as exc:  # noqa: BLE001
+        return {"raised": crashed("active", unit, exc, time.monotonic())["detail"]}
 
 
 def read_key(path):
@@ -320,24 +362,36 @@ def scrub(text, key):
     return text.replace(key, "***") if key else text
 
 
-def check_unit(unit, status, out):
-    """All checks of one unit; results appended to out as they finish."""
+def check_active(unit, status):
     started = time.monotonic()
+    if "raised" in status:  # unit_status itself raised (see safe_unit_status)
+        return result("active", unit["unit"], ERROR, status["raised"], started)
     if "error" in status:
-        out.append(result("active", unit["unit"], FAIL, status["error"], started))
-    else:
-        state = status["active_state"]
-        detail = f"ActiveState={state}"
-        if status["load_state"] != "loaded":
-            detail += " LoadState={}".format(status["load_state"])
-        if state != "active" and unit["fix"]:
-            detail += ". Fix: " + unit["fix"]
-        out.append(result("active", unit["unit"], OK if state == "active" else FAIL,
-                          detail, started))
+        return result("active", unit["unit"], FAIL, status["error"], started)
+    state = status["active_state"]
+    detail = f"ActiveState={state}"
+    if status["load_state"] != "loaded":
+        detail += " LoadState={}".format(status["load_state"])
+    if state != "active" and unit["fix"]:
+        detail += ". Fix: " + unit["fix"]
+    return result("active", unit["unit"], OK if state == "active" else FAIL, detail, started)
+
+
+def unit_checks(unit):
+    """The checks configured for one unit, in the order they run."""
+    return ["active"] + (["health"] if unit["health_url"] else []) + (
+        ["generate"] if unit["generate_url"] else [])
+
+
+def check_unit(unit, status, out):
+    """All checks of one unit; results appended to out as they finish. Each check gives a
+    result even when it raises (status error)."""
+    name = unit["unit"]
+    out.append(guarded("active", name, check_active, unit, status))
     if unit["health_url"]:
-        out.append(check_health(unit))
+        out.append(guarded("health", name, check_health, unit))
     if unit["generate_url"]:
-        out.append(check_generate(unit))
+        out.append(guarded("generate", name, check_generate, unit))
 
 
 def check_gpu(cfg):
@@ -363,7 +417,7 @@ def check_gpu(cfg):
     except ET.ParseError as exc:
         return result("gpu", "", FAIL, f"nvidia-smi -q -x: bad XML: {exc}", started), []
     problems, gpus = [], []
-    for gpu, node in zip(facts["gpus"], root.findall("gpu"), strict=False):
+    for gpu, node in zip(facts["gpus"], root.findall("gpu")):
         ecc = gpu["ecc_errors"]
         item = {"index": gpu["index"], "uuid": gpu["uuid"] or "",
                 "volatile": ecc["volatile"]["uncorrectable"],
@@ -482,8 +536,9 @@ def starting(unit, status):
         active == "active" and age is not None and age < unit["startup_grace_s"])
 
 
-def decide_restarts(cfg, statuses, failed, state, log, act):
-    """Advance failure streaks and restart units; returns {unit: decision text}."""
+def decide_restarts(cfg, statuses, failed, state, log, act, errored=()):
+    """Advance failure streaks and restart units; returns {unit: decision text}. A unit
+    whose checks only raised (errored) keeps its streak as it was: no evidence either way."""
     policy = cfg["restart"]
     now = time.time()
     decisions = {}
@@ -494,6 +549,9 @@ def decide_restarts(cfg, statuses, failed, state, log, act):
         status = statuses.get(name, {})
         active = status.get("active_state")
         age = status.get("age_s")
+        if name in errored:
+            decisions[name] = "not counted: a check raised (see ERROR above)"
+            continue
         if name not in failed:
             st["consecutive_failures"] = 0
             continue
@@ -578,12 +636,19 @@ def metrics(cfg, results, statuses, state, gpus, xids, free, ran_at):
             restarts.append(({"unit": name, "by": "systemd"}, statuses[name]["nrestarts"]))
     families = [
         ("gpufleet_health_check_ok", "gauge",
-         "1 when the check passed, 0 when it failed (checks that do not apply are absent).",
+         "1 when the check passed, 0 when it failed or raised (checks that do not apply are "
+         "absent).",
          [({"check": r["check"], "unit": r["unit"]}, r["status"] == OK) for r in checks]),
+        ("gpufleet_health_check_status", "gauge",
+         "1 for the status every configured check had in this run, 0 for the others: ok, "
+         "fail, na (does not apply here), error (the check raised; see the checker's log).",
+         [({"check": r["check"], "unit": r["unit"], "status": s}, r["status"] == s)
+          for r in results for s in STATUSES]),
         ("gpufleet_health_check_duration_seconds", "gauge", "Time the check took.",
          [({"check": r["check"], "unit": r["unit"]}, r["duration_s"]) for r in checks]),
-        ("gpufleet_health_ok", "gauge", "1 when every check on this host passed.",
-         [({}, all(r["status"] != FAIL for r in results))]),
+        ("gpufleet_health_ok", "gauge",
+         "1 when no check on this host failed or raised.",
+         [({}, all(r["status"] in (OK, NA) for r in results))]),
         ("gpufleet_unit_consecutive_failures", "gauge",
          "Consecutive failed runs of the unit's checks, past its start-up window.",
          [({"unit": u["unit"]},
@@ -646,15 +711,17 @@ def main(argv=None):
         return 2
 
     started = time.monotonic()
-    statuses = {u["unit"]: unit_status(u["unit"]) for u in cfg["units"]}
+    statuses = {u["unit"]: safe_unit_status(u["unit"]) for u in cfg["units"]}
     results = []
     host_out = {}
+    # check name, function, its config, what the metrics get when it raises
+    host_jobs = [("gpu", check_gpu, cfg["gpu"], []), ("gpu_xid", check_xid, cfg["gpu"], None)]
+    if cfg["cache"]:
+        host_jobs.append(("cache", check_cache, cfg["cache"], None))
 
     def host_checks():
-        host_out["gpu"] = check_gpu(cfg["gpu"])
-        host_out["xid"] = check_xid(cfg["gpu"])
-        if cfg["cache"]:
-            host_out["cache"] = check_cache(cfg["cache"])
+        for check, fn, conf, empty in host_jobs:
+            host_out[check] = guarded_host(check, fn, conf, empty)
 
     jobs = []
     for unit in cfg["units"]:
@@ -668,46 +735,51 @@ def main(argv=None):
     budget = max([u["health_timeout_s"] + u["generate_timeout_s"] for u in cfg["units"]] +
                  [cfg["gpu"]["timeout_s"] + 20]) + 10
     deadline = started + budget
+
+    def no_result(check, unit, thread):
+        """Every configured check has a result: one still running past the budget fails,
+        one whose thread ended without a result is an error."""
+        if thread.is_alive():
+            return result(check, unit, FAIL, f"did not finish within {budget}s", started)
+        return result(check, unit, ERROR, "gave no result (its thread ended early)", started)
+
     for unit, out, thread in jobs:
         thread.join(max(0.0, deadline - time.monotonic()))
-        results.extend(list(out))
-        if thread.is_alive():
-            results.append(result("deadline", unit["unit"], FAIL,
-                                  f"checks did not finish within {budget}s", started))
+        got = list(out)
+        done = {r["check"] for r in got}
+        results.extend(got + [no_result(c, unit["unit"], thread) for c in unit_checks(unit)
+                              if c not in done])
     host_thread.join(max(0.0, deadline - time.monotonic()))
-    gpus, xids, free = [], None, None
-    for key in ("gpu", "xid", "cache"):
-        if key in host_out:
-            res, extra = host_out[key]
+    extras = {}
+    for check, _, _, _ in host_jobs:
+        if check in host_out:
+            res, extras[check] = host_out[check]
             results.append(res)
-            if key == "gpu":
-                gpus = extra
-            elif key == "xid":
-                xids = extra
-            else:
-                free = extra
-    if host_thread.is_alive():
-        results.append(result("deadline", "", FAIL,
-                              f"host checks did not finish within {budget}s", started))
+        else:
+            results.append(no_result(check, "", host_thread))
+    gpus, xids, free = extras.get("gpu") or [], extras.get("gpu_xid"), extras.get("cache")
 
     for r in results:
         log("{:<4} {:<8} {} {:.3f}s {}".format(r["status"].upper(), r["check"], r["unit"] or "-",
                                               r["duration_s"], r["detail"]))
 
     failed = {r["unit"] for r in results if r["status"] == FAIL and r["unit"]}
+    errored = {r["unit"] for r in results if r["status"] == ERROR and r["unit"]} - failed
     state_path = cfg["state_file"]
     decisions = {}
     if args.no_restart:
         state = load_state(state_path, log)
         scratch = json.loads(json.dumps(state))
-        decisions = decide_restarts(cfg, statuses, failed, scratch, log, act=False)
+        decisions = decide_restarts(cfg, statuses, failed, scratch, log, act=False,
+                                    errored=errored)
     else:
         lock_path = state_path + ".lock"
         try:
             with open(lock_path, "a") as lock:
                 fcntl.flock(lock, fcntl.LOCK_EX)
                 state = load_state(state_path, log)
-                decisions = decide_restarts(cfg, statuses, failed, state, log, act=True)
+                decisions = decide_restarts(cfg, statuses, failed, state, log, act=True,
+                                            errored=errored)
                 state["updated"] = time.time()
                 atomic_write(state_path, json.dumps(state, indent=1, sort_keys=True) + "\n")
         except OSError as exc:
@@ -717,7 +789,7 @@ def main(argv=None):
     for name, text in decisions.items():
         log(f"INFO restart  {name} {text}")
 
-    healthy = all(r["status"] != FAIL for r in results)
+    healthy = all(r["status"] in (OK, NA) for r in results)
     try:
         atomic_write(cfg["textfile"], metrics(cfg, results, statuses, state, gpus, xids,
                                               free, time.time()))

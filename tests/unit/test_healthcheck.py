@@ -19,6 +19,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import sysconfig
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -62,6 +63,20 @@ import os, sys
 if sys.argv[1:] != ["-q", "-x"]:
     sys.exit(9)
 sys.stdout.write(open(os.environ["FAKE_NVIDIA_SMI_XML"]).read())
+'''
+# The installed checker with one of its functions replaced by one that raises, as a
+# bug or an unexpected environment would (a TypeError took the host checks down once).
+RAISING = r'''
+import sys
+lib, name = sys.argv[1], sys.argv[2]
+sys.path.insert(0, lib)
+import healthcheck
+
+def boom(*args, **kwargs):
+    raise TypeError("injected fault in " + name)
+
+setattr(healthcheck, name, boom)
+sys.exit(healthcheck.main(sys.argv[3:]))
 '''
 FAKE_JOURNALCTL = r'''
 import os, sys
@@ -120,7 +135,9 @@ class Engine:
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        # a short poll: shutdown() waits for it, once per test
+        threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05},
+                         daemon=True).start()
 
     def close(self):
         self.release.set()
@@ -197,6 +214,12 @@ class Host:
         return subprocess.run([sys.executable, "-I", "-S", str(self.script), "--config",
                                str(self.config), *args], env=self.env, capture_output=True,
                               text=True, timeout=timeout)
+
+    def run_raising(self, name: str, *args: str) -> subprocess.CompletedProcess:
+        """Run the checker with healthcheck.<name> replaced by a function that raises."""
+        return subprocess.run([sys.executable, "-I", "-S", "-c", RAISING, str(self.script.parent),
+                               name, "--config", str(self.config), *args], env=self.env,
+                              capture_output=True, text=True, timeout=30)
 
     def popen(self, *args: str) -> subprocess.Popen:
         return subprocess.Popen([sys.executable, "-I", "-S", str(self.script), "--config",
@@ -348,6 +371,56 @@ def test_json_output_for_fab_health(host, engine):
     assert report["units"][UNIT]["active_state"] == "active"
     assert "OK   generate" in proc.stderr
     assert_no_secret(host, proc)
+
+
+ALL_CHECKS = [("active", UNIT), ("health", UNIT), ("generate", UNIT), ("gpu", ""),
+              ("gpu_xid", ""), ("cache", "")]
+
+
+@pytest.mark.parametrize("name,errors,message", [
+    ("unit_status", [("active", UNIT)], "check raised TypeError: injected fault in unit_status"),
+    ("check_active", [("active", UNIT)], "check raised TypeError: injected fault in check_active"),
+    ("check_health", [("health", UNIT)], "check raised TypeError: injected fault in check_health"),
+    ("check_generate", [("generate", UNIT)],
+     "check raised TypeError: injected fault in check_generate"),
+    ("check_gpu", [("gpu", "")], "check raised TypeError: injected fault in check_gpu"),
+    ("check_xid", [("gpu_xid", "")], "check raised TypeError: injected fault in check_xid"),
+    ("check_cache", [("cache", "")], "check raised TypeError: injected fault in check_cache"),
+    # the thread itself dies: every check it owned still gets a result
+    ("check_unit", ALL_CHECKS[:3], "gave no result (its thread ended early)"),
+    ("guarded_host", ALL_CHECKS[3:], "gave no result (its thread ended early)"),
+])
+def test_a_check_that_raises_is_an_error_never_a_pass(host, engine, name, errors, message):
+    host.nvidia_smi(XML.read_text())
+    host.journal("")
+    host.write_config(engine, gpu={"vendor": "nvidia", "count": 1},
+                      restart={"after_failures": 1})
+    assert host.run("--no-restart").returncode == 0  # all six checks pass without the fault
+    proc = host.run_raising(name, "--json")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["healthy"] is False and report["exit_code"] == 1
+    statuses = {(c["check"], c["unit"]): c for c in report["checks"]}
+    assert sorted(statuses) == sorted(ALL_CHECKS), "every configured check has a result"
+    m = host.metrics()
+    for check, unit in ALL_CHECKS:
+        want = "error" if (check, unit) in errors else "ok"
+        assert statuses[(check, unit)]["status"] == want, statuses[(check, unit)]
+        for status in ("ok", "fail", "na", "error"):
+            assert value(m, "gpufleet_health_check_status", check=check, unit=unit,
+                         status=status) == (status == want)
+        assert value(m, "gpufleet_health_check_ok", check=check, unit=unit) == (want == "ok")
+        if want == "error":
+            assert message in statuses[(check, unit)]["detail"]
+            line = rf"^ERROR {check} +{unit or '-'} \S+ {re.escape(message)}"
+            assert re.search(line, proc.stderr, re.M), proc.stderr
+    assert value(m, "gpufleet_health_ok") == 0
+    assert re.search(r"^workers-1: UNHEALTHY", proc.stderr, re.M)
+    # a checker fault is no evidence against the engine: no restart, streak untouched
+    assert host.restarts() == []
+    if (errors[0][1]) == UNIT:
+        assert "not counted: a check raised" in proc.stderr
+        assert value(m, "gpufleet_unit_consecutive_failures", unit=UNIT) == 0
 
 
 def test_wedged_engine_fails_within_timeout(host, engine):
@@ -678,9 +751,21 @@ def test_real_standin_vllm(host, tmp_path):
         server.stop()
 
 
+def is_stdlib(name: str) -> bool:
+    """Found in this interpreter's standard library (sys.stdlib_module_names is 3.10+)."""
+    if name in sys.builtin_module_names:
+        return True
+    spec = importlib.util.find_spec(name)
+    paths = sysconfig.get_paths()
+    origin = (spec.origin or "") if spec else ""
+    return origin in ("built-in", "frozen") or "site-packages" not in origin and \
+        origin.startswith((paths["stdlib"], paths["platstdlib"]))
+
+
 def test_checker_is_stdlib_only():
     text = (REPO / "gpufleet" / "host" / "healthcheck.py").read_text()
-    imports = set(re.findall(r"^\s*(?:import|from) ([\w.]+)", text, re.M))
-    allowed = set(sys.stdlib_module_names) | {"gpu_facts", "gpufleet.module_utils"}
-    assert {i.split(".")[0] for i in imports} - {a.split(".")[0] for a in allowed} == set()
+    imports = {i.split(".")[0] for i in re.findall(r"^\s*(?:import|from) ([\w.]+)", text, re.M)}
+    assert {"json", "urllib", "__future__"} <= {i for i in imports if is_stdlib(i)}
+    assert not is_stdlib("pytest")
+    assert {i for i in imports if not is_stdlib(i)} == {"gpu_facts", "gpufleet"}
     assert os.path.exists(REPO / "gpufleet" / "module_utils" / "gpu_facts.py")

@@ -273,7 +273,10 @@ def compose(
     hardware = catalog.hardware[target.hardware]
     topology = catalog.topologies[target.topology]
 
+    from .overrides import managed  # reads Overrides and Problem from here; imported late
+
     problems: list[Problem] = _check_override_roles(target, topology, ov)
+    problems += managed(catalog, target, topology, ov)
     roles, draft = _layer_options(catalog, target, ov, problems)
     inventory = inventory or inv_mod.placeholder(topology.groups)
     problems += _check_inventory(target, topology, hardware, inventory, ov.replicas)

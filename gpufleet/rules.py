@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from . import engine_flags
+from .overrides import engine_limits
 from .plan import ENGINE_ROLES, WEIGHT_SHARE, Plan, Problem, Process
 
 # Flags and environment that must be identical on prefill and decode: the KV
@@ -109,9 +110,12 @@ def weights_fit(plan: Plan, catalog) -> list[Problem]:
         seen.add(p.role)
         nodes = len([q for q in plan.processes if q.role == p.role])
         gpus = len(p.gpus) * nodes
-        fraction = float(p.args.get("--gpu-memory-utilization")
-                         or p.args.get("--mem-fraction-static")
-                         or DEFAULT_MEM_FRACTION[plan.target.engine])
+        try:
+            fraction = float(p.args.get("--gpu-memory-utilization")
+                             or p.args.get("--mem-fraction-static")
+                             or DEFAULT_MEM_FRACTION[plan.target.engine])
+        except (TypeError, ValueError):
+            continue  # not a number: engine_limits says so
         usable = gpus * gib_per_gpu * fraction
         if weight <= usable * WEIGHT_SHARE:
             continue
@@ -138,10 +142,13 @@ def nvfp4_needs_blackwell(plan: Plan, catalog) -> list[Problem]:
 def parallel_matches_gpus(plan: Plan, catalog) -> list[Problem]:
     problems = []
     for p in _engines(plan):
-        nodes = _int(p, "--nnodes")
-        tp = _int(p, "--tensor-parallel-size", "-tp", "--tp-size")
-        pp = _int(p, "--pipeline-parallel-size", "-pp", "--pp-size")
-        dp = _int(p, "--data-parallel-size", "-dp", "--dp-size")
+        try:
+            nodes = _int(p, "--nnodes")
+            tp = _int(p, "--tensor-parallel-size", "-tp", "--tp-size")
+            pp = _int(p, "--pipeline-parallel-size", "-pp", "--pp-size")
+            dp = _int(p, "--data-parallel-size", "-dp", "--dp-size")
+        except (TypeError, ValueError):
+            continue  # not an integer: engine_limits says so
         if plan.target.engine == "sglang" and "--enable-dp-attention" in p.args:
             dp = 1  # DP attention splits the TP group; it adds no GPUs
         need = tp * pp * dp
@@ -297,6 +304,7 @@ RULES: list[Callable[[Plan, object], list[Problem]]] = [
     layer_split_needs_pd_mooncake,
     fp8_kv_option_on_hopper_only,
     flags_accepted,
+    engine_limits,
 ]
 
 

@@ -57,6 +57,50 @@ class Hardware(_Strict):
     rocm_floor: str | None = None
 
 
+class ManagedKind(_Strict):
+    why: str  # why the plan sets flags of this kind
+    fix: str  # how to change the value instead of overriding the flag
+
+
+class Managed(_Strict):
+    """Flags and variables of one program that only the plan sets: name -> kind."""
+
+    args: dict[str, str] = Field(default_factory=dict)
+    env: dict[str, str] = Field(default_factory=dict)
+
+
+class Limit(_Strict):
+    """What an engine accepts for one flag; a bound is a number or `model.context`."""
+
+    type: Literal["int", "float", "size"]
+    source: str
+    gt: float | None = None
+    ge: float | str | None = None
+    lt: float | None = None
+    le: float | str | None = None
+    auto: list[str] = Field(default_factory=list)
+    unless_env: str | None = None
+
+
+class Relation(_Strict):
+    """One flag bounded by another (`ge`) or a multiple of it (`multiple_of`)."""
+
+    flag: str
+    source: str
+    ge: str | None = None
+    multiple_of: str | None = None
+    when: list[str] = Field(default_factory=list)  # only when one of these flags is set
+    above: float | None = None  # only when the flag's value is above this
+    unless: dict[str, str] = Field(default_factory=dict)  # not when a flag has this value
+
+
+class Limits(_Strict):
+    aliases: dict[str, str] = Field(default_factory=dict)
+    defaults: dict[str, Any] = Field(default_factory=dict)
+    flags: dict[str, Limit] = Field(default_factory=dict)
+    relations: list[Relation] = Field(default_factory=list)
+
+
 class Engine(_Strict):
     label: str
     venv: str
@@ -65,6 +109,8 @@ class Engine(_Strict):
     flashinfer_floor: str | None = None
     system_packages: list[str] = Field(default_factory=list)  # from the OS (apt)
     disable_services: list[str] = Field(default_factory=list)  # what those packages start
+    managed: dict[str, Managed] = Field(default_factory=dict)  # program key -> managed
+    limits: dict[str, Limits] = Field(default_factory=dict)  # program key -> limits
 
 
 class TopologyProcess(_Strict):
@@ -157,7 +203,15 @@ class Catalog:
     def __init__(self) -> None:
         self.models = {k: Model(**v) for k, v in _load("models.yml")["models"].items()}
         self.hardware = {k: Hardware(**v) for k, v in _load("hardware.yml")["hardware"].items()}
-        self.engines = {k: Engine(**v) for k, v in _load("engines.yml")["engines"].items()}
+        engines = _load("engines.yml")
+        self.engines = {k: Engine(**v) for k, v in engines["engines"].items()}
+        self.managed_kinds = {k: ManagedKind(**v) for k, v in engines["managed_kinds"].items()}
+        for name, engine in self.engines.items():
+            for program, managed in engine.managed.items():
+                for key, kind in {**managed.args, **managed.env}.items():
+                    if kind.partition(":")[0] not in self.managed_kinds:
+                        raise ValueError(f"catalog: engines.{name}.managed.{program}.{key}: "
+                                         f"unknown kind {kind!r}")
         self.topologies = {
             k: Topology(**v) for k, v in _load("topologies.yml")["topologies"].items()
         }

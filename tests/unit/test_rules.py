@@ -44,6 +44,8 @@ CASES = {
         "sglang-b200-low-latency", {"options": ["fp8-kv"]}, "already runs FP8 KV"),
     "flags_accepted": (
         "gb200-tray", {"args": {"worker": {"--no-such-flag": 1}}}, "unknown flag --no-such-flag"),
+    "engine_limits": (
+        "h200-pd-1node", {"args": {"decode": {"--gpu-memory-utilization": 1.5}}}, "is above 1"),
     # a cell 004 leaves out: the refusal's reason is this rule's message
     "nvfp4_needs_blackwell": ("sglang-h200-low-latency-nvfp4", {}, "Blackwell"),
 }

@@ -160,16 +160,17 @@ def root_key() -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
-def root_dir() -> Path:
-    return CACHE_DIR / f"root-{root_key()}"
+def root_dir(cache: Path = CACHE_DIR) -> Path:
+    return cache / f"root-{root_key()}"
 
 
-def ensure_root() -> Path:
-    """Build the cached debootstrap root once per package list (about a minute)."""
-    root = root_dir()
+def ensure_root(cache: Path = CACHE_DIR) -> Path:
+    """Build the cached debootstrap root in ``cache`` once per package list (about a
+    minute); an empty ``cache`` means a root built from nothing, as on a fresh machine."""
+    root = root_dir(cache)
     if (root / "etc" / "os-release").exists():
         return root
-    CACHE_DIR.mkdir(parents=True, exist_ok=True)
+    cache.mkdir(parents=True, exist_ok=True)
     tmp = root.with_name(root.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     log(f"building cached root {root} (once; a few minutes)")
@@ -194,7 +195,7 @@ def ensure_root() -> Path:
     if res.returncode != 0:
         raise LabError(f"preparing the cached root failed:\n{res.stderr[-2000:]}")
     tmp.rename(root)
-    for old in CACHE_DIR.glob("root-*"):
+    for old in cache.glob("root-*"):
         if old != root:
             shutil.rmtree(old, ignore_errors=True)
     return root
@@ -608,9 +609,11 @@ def _healthy(running: list[dict], wanted: list[dict]) -> bool:
 
 
 def up(
-    hosts: int = 2, profiles: list[str] | None = None, faults: list[str] | None = None
+    hosts: int = 2, profiles: list[str] | None = None, faults: list[str] | None = None,
+    root_cache: Path = CACHE_DIR,
 ) -> list[dict]:
-    """Bring the lab up with ``hosts`` hosts; idempotent; cleans up a killed lab first."""
+    """Bring the lab up with ``hosts`` hosts; idempotent; cleans up a killed lab first.
+    ``root_cache``: where the hosts' root is cached (built there if missing)."""
     check_prereqs()
     wanted = plan(hosts, profiles, faults)
     hw = {h["name"]: render_hw(h["profile"], h["faults"], h["name"]) for h in wanted}
@@ -628,7 +631,7 @@ def up(
     if any(leftovers):
         log("cleaning up the previous lab")
         down()
-    root = ensure_root()
+    root = ensure_root(root_cache)
     pubkey = ensure_ssh_key()
     t0 = time.monotonic()
     net.setup_lab_net()
@@ -642,7 +645,7 @@ def up(
         net.setup_host_net(host["name"], i)
         hdir = prepare_host(host, wanted, root, pubkey, hw[host["name"]])
         host["pid"] = start_host(host, hdir, root)
-        save_state({"hosts": wanted})
+        save_state({"hosts": wanted, "root": str(root)})
     wait_ready(wanted)
     write_inventory(wanted)
     log(
@@ -664,7 +667,8 @@ def reboot(name: str) -> dict:
     _kill([host["pid"]], timeout=60)
     hdir = STATE_DIR / name
     subprocess.run(["umount", str(hdir / "root")], capture_output=True, check=False)
-    host["pid"] = start_host(host, hdir, ensure_root())
+    root = Path(state["root"]) if state.get("root") else ensure_root()
+    host["pid"] = start_host(host, hdir, root)
     save_state(state)
     wait_ready([host])
     log(f"{name} rebooted")

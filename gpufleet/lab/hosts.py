@@ -4,7 +4,8 @@ All hosts boot from one cached debootstrap root (``ROOT_CACHE``) with a
 per-host overlayfs (``STATE_DIR/<host>/{upper,work,root}``).  The controller
 has no systemd, so each ``systemd-nspawn --boot`` runs as our own background
 process (setsid), its PID in ``STATE_DIR/<host>/nspawn.pid`` and its console
-in ``STATE_DIR/<host>/console.log``.
+in ``STATE_DIR/<host>/console.log``; it first joins the host's own cgroup
+(``gpufleet-lab/<host>`` in every hierarchy, see "cgroups" below).
 
 Entry points: ``up()``, ``down()``, ``status()``.
 """
@@ -420,6 +421,127 @@ def _umount_all() -> None:
         subprocess.run(["umount", "-l", point], capture_output=True)
 
 
+# ---------------------------------------------------------------- cgroups
+# Each host runs in a cgroup of its own, in every mounted hierarchy: nspawn --keep-unit
+# gives the container the cgroup it was started in, and the container's systemd builds
+# its system.slice/<unit> tree there. Started from a shared cgroup, every host would
+# build into one tree, and systemd fails to kill a unit's cgroup that holds processes of
+# another host (it cannot see them): a stopped unit's children live on.
+CGROUP_NAME = "gpufleet-lab"
+# Run as `sh -c JOIN sh <cgroup.procs files> -- <command>`: join the cgroups, then exec.
+JOIN_CGROUPS = """while [ "$1" != -- ]; do
+    echo $$ > "$1" || { echo "lab: cannot join cgroup ${1%/*}" >&2; exit 1; }
+    shift
+done
+shift
+exec "$@"
+"""
+
+
+def _cgroup_mounts() -> dict[str, tuple[str, str]]:
+    """Mounted cgroup hierarchies: key as in /proc/self/cgroup (its controllers, '' for
+    v2) -> (mount point, hierarchy path mounted there)."""
+    keys = list(_proc_cgroups("self"))
+    found: dict[str, tuple[str, str]] = {}
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        fields, (fstype, _source, opts) = line.split(), line.split(" - ", 1)[1].split()[:3]
+        if fstype == "cgroup2":
+            key = ""
+        elif fstype == "cgroup":
+            key = next((k for k in keys if k and set(k.split(",")) <= set(opts.split(","))), "-")
+        else:
+            continue
+        if key in keys:
+            found.setdefault(key, (fields[4], fields[3]))
+    return found
+
+
+def _proc_cgroups(pid: int | str) -> dict[str, str]:
+    """``/proc/PID/cgroup``: hierarchy key (its controllers, '' for v2) -> cgroup path."""
+    lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+    return {key: path for _, key, path in (ln.split(":", 2) for ln in lines)}
+
+
+def _cgroup_parents() -> dict[str, Path]:
+    """``<this process's cgroup>/gpufleet-lab`` in every mounted hierarchy: where the
+    hosts' cgroups go (nested, so limits on our own cgroup still hold for the lab)."""
+    own = _proc_cgroups("self")
+    parents = {}
+    for key, (point, mounted) in _cgroup_mounts().items():
+        rel = os.path.relpath(own[key], mounted)
+        if not rel.startswith(".."):  # our cgroup is not visible in this mount: skip it
+            parents[key] = Path(point, rel, CGROUP_NAME)
+    return parents
+
+
+def in_host_cgroups(pid: int, name: str) -> bool:
+    """True if ``pid`` runs below host ``name``'s own cgroup in every hierarchy we use."""
+    try:
+        paths = _proc_cgroups(pid)
+    except OSError:
+        return False
+    mark = f"/{CGROUP_NAME}/{name}/"
+    return all(mark in paths.get(key, "") + "/" for key in _cgroup_parents())
+
+
+def lab_cgroups() -> list[Path]:
+    """Every ``gpufleet-lab`` cgroup in every hierarchy: this lab's and a killed lab's
+    (started from another cgroup, their parent may differ from ours)."""
+    found = []
+    for point, _ in _cgroup_mounts().values():
+        for dirpath, dirnames, _ in os.walk(point):
+            if Path(dirpath).name == CGROUP_NAME:
+                found.append(Path(dirpath))
+                dirnames.clear()
+    return found
+
+
+def _cgroup_pids(top: Path) -> list[int]:
+    pids = []
+    for dirpath, _, _ in os.walk(top):
+        with contextlib.suppress(OSError):
+            pids += [int(p) for p in (Path(dirpath) / "cgroup.procs").read_text().split()]
+    return pids
+
+
+def remove_cgroups(tops: list[Path], timeout: float = 10.0) -> None:
+    """Kill whatever still runs in the cgroups ``tops`` and remove them depth first."""
+    deadline = time.monotonic() + timeout
+    while True:
+        for top in tops:
+            for pid in _cgroup_pids(top):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            for dirpath, _, _ in os.walk(top, topdown=False):
+                with contextlib.suppress(OSError):
+                    os.rmdir(dirpath)
+        left = [top for top in tops if top.exists()]
+        if not left:
+            return
+        if time.monotonic() > deadline:
+            raise LabError(
+                f"cgroups still busy after {timeout}s: {', '.join(map(str, left))} (processes "
+                f"{_cgroup_pids(left[0])}); end those processes, then run `fab lab.down` again"
+            )
+        time.sleep(0.2)
+
+
+def make_host_cgroups(name: str) -> list[Path]:
+    """Fresh cgroups for host ``name``, one per hierarchy, as ``<parent>/gpufleet-lab/<name>``;
+    what an earlier boot of the host left there is removed first."""
+    remove_cgroups([parent / name for parent in lab_cgroups()])
+    made = []
+    for parent in _cgroup_parents().values():
+        for path in (parent, parent / name):
+            path.mkdir(exist_ok=True)
+            for knob in ("cpuset.cpus", "cpuset.mems"):  # v1 cpuset starts empty: fill it in
+                mine, theirs = path / knob, path.parent / knob
+                if mine.exists() and theirs.exists() and not mine.read_text().strip():
+                    mine.write_text(theirs.read_text())
+        made.append(parent / name)
+    return made
+
+
 def cache_source(host: dict) -> Path:
     """The controller directory a host mounts as its checkpoint cache."""
     if "disk-small" not in host["faults"]:
@@ -484,10 +606,12 @@ def start_host(host: dict, hdir: Path, root: Path) -> int:
         "--kill-signal=SIGRTMIN+3",
         f"--bind={cache_source(host)}:{HOST_CACHE_PATH}",
     ]
+    joins = [str(cg / "cgroup.procs") for cg in make_host_cgroups(host["name"])]
     with open(hdir / "console.log", "wb") as out:
         proc = subprocess.Popen(
-            cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True
-        )
+            ["sh", "-c", JOIN_CGROUPS, "sh", *joins, "--", *cmd],
+            stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True,
+        )  # fmt: skip
     (hdir / "nspawn.pid").write_text(f"{proc.pid}\n")
     return proc.pid
 
@@ -594,13 +718,15 @@ def plan(hosts: int, profiles: list[str] | None, faults: list[str] | None) -> li
 
 
 def _healthy(running: list[dict], wanted: list[dict]) -> bool:
-    """True when exactly the wanted hosts run, each alive with its netns and mount."""
+    """True when exactly the wanted hosts run, each alive with its netns, mount and cgroup."""
     key = [(h["name"], h["address"], h["profile"], h["faults"]) for h in wanted]
     if [(h["name"], h["address"], h["profile"], h["faults"]) for h in running] != key:
         return False
     mounts, namespaces = lab_mounts(), net.list_netns()
     return set(nspawn_pids()) == {h.get("pid") for h in running} and all(
-        net.host_ns(h["name"]) in namespaces and str(STATE_DIR / h["name"] / "root") in mounts
+        net.host_ns(h["name"]) in namespaces
+        and str(STATE_DIR / h["name"] / "root") in mounts
+        and in_host_cgroups(h["pid"], h["name"])
         for h in running
     )
 
@@ -627,7 +753,7 @@ def up(
         log(f"already up: {', '.join(h['name'] for h in state['hosts'])}")
         return state["hosts"]
     leftovers = [state["hosts"], nspawn_pids(), container_inits(), lab_mounts(),
-                 net.lab_netns(), net.lab_links()]  # fmt: skip
+                 net.lab_netns(), net.lab_links(), lab_cgroups()]  # fmt: skip
     if any(leftovers):
         log("cleaning up the previous lab")
         down()
@@ -682,6 +808,11 @@ def down() -> None:
     for pid in container_inits():  # orphans of a killed nspawn; killing PID 1 ends its ns
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
+    try:  # the hosts' cgroups, with anything still in them
+        remove_cgroups(lab_cgroups())
+        busy = None
+    except LabError as exc:
+        busy = exc
     services.stop()
     _umount_all()
     net.teardown()
@@ -690,6 +821,8 @@ def down() -> None:
     save_state({"hosts": []})
     if INVENTORY.exists():
         INVENTORY.unlink()
+    if busy:
+        raise busy
 
 
 def status() -> list[dict]:

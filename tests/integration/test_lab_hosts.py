@@ -111,6 +111,55 @@ def test_systemd_is_pid1_and_running(lab):
         assert ssh(host["address"], "systemctl is-active ssh").stdout.strip() == "active"
 
 
+def cgroups_of(pid: int) -> dict[str, str]:
+    """``/proc/PID/cgroup`` as hierarchy (controllers, '' for v2) -> path."""
+    lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+    return {ctrls: path for _, ctrls, path in (ln.split(":", 2) for ln in lines)}
+
+
+def test_each_host_lives_in_a_cgroup_of_its_own(lab):
+    """In every hierarchy, a host's systemd and its nspawn sit below the host's own cgroup,
+    and no two hosts share one: systemd in one host can never see another's processes."""
+    seen: dict[str, set[str]] = {}
+    for host in lab:
+        init = int(Path(f"/proc/{host['pid']}/task/{host['pid']}/children").read_text().split()[0])
+        assert init in lab_hosts.container_inits()
+        for pid in (host["pid"], init):
+            for ctrls, path in cgroups_of(pid).items():
+                assert f"/{lab_hosts.CGROUP_NAME}/{host['name']}/" in path + "/", (
+                    f"{host['name']}: pid {pid} is in {ctrls or 'unified'}:{path}")  # fmt: skip
+        for ctrls, path in cgroups_of(init).items():
+            assert path not in seen.setdefault(ctrls, set()), f"{ctrls or 'unified'}:{path} shared"
+            seen[ctrls].add(path)
+
+
+def test_stopping_a_unit_on_one_host_leaves_the_same_unit_on_another_running(lab):
+    """Two hosts run a unit of the same name whose main process has a child. Stopping it on
+    one host ends both its processes there and nothing on the other host. (With one shared
+    cgroup tree, the stopping systemd fails to kill the unit's cgroup, since it cannot see
+    the other host's processes in it, and the child outlives the stop.)"""
+    a, b = (h["address"] for h in lab[:2])
+    unit = "gpufleet-probe.service"
+    procs = "pgrep -fx 'sleep 424[23]'"
+    try:
+        for addr in (b, a):  # b first: its processes come first in a shared cgroup
+            ssh(addr, f"systemd-run --unit={unit} sh -c 'sleep 4242 & exec sleep 4243'")
+        running_b = ssh(b, procs).stdout.split()
+        assert len(running_b) == 2
+        since = ssh(a, "date +%s").stdout.strip()
+        ssh(a, f"systemctl stop {unit}")
+        time.sleep(1)
+        left = ssh(a, f"{procs} -a", check=False).stdout
+        log = ssh(a, f"journalctl -q -u {unit} --since @{since} --no-pager").stdout
+        assert not left, f"{unit} stopped on {a} but these still run there:\n{left}{log}"
+        assert "Failed to kill control group" not in log, log
+        assert ssh(b, f"systemctl is-active {unit}", check=False).stdout.strip() == "active"
+        assert ssh(b, procs).stdout.split() == running_b
+    finally:
+        for addr in (a, b):
+            ssh(addr, f"systemctl stop {unit}; pkill -fx 'sleep 424[23]'", check=False)
+
+
 def test_hosts_reach_nothing_off_the_machine(lab):
     gateway = subprocess.run(["ip", "route", "show", "default"], capture_output=True, text=True)
     outside = ["1.1.1.1", "8.8.8.8"] + gateway.stdout.split()[2:3]
@@ -187,9 +236,11 @@ def test_up_cleans_up_after_a_killed_lab(lab):
     # What a killed session leaves: namespaces, mounts, links, and here even the
     # container inits, which outlive their nspawn.
     assert lab_hosts.lab_mounts() and net.lab_netns() and lab_hosts.container_inits()
+    assert lab_hosts.lab_cgroups()
     stale_inits = set(lab_hosts.container_inits())
     up = lab_hosts.up(hosts=2)
     assert not stale_inits & set(lab_hosts.container_inits())
+    assert all(lab_hosts.in_host_cgroups(h["pid"], h["name"]) for h in up)
     assert len(lab_hosts.nspawn_pids()) == 2 and not set(killed) & set(lab_hosts.nspawn_pids())
     for host in up:
         assert ssh(host["address"], "systemctl is-system-running", check=False).stdout.strip() in (
@@ -201,6 +252,7 @@ def test_down_leaves_nothing_but_the_blackhole_route(lab):
     assert lab_hosts.nspawn_pids() == []
     assert lab_hosts.container_inits() == []
     assert lab_hosts.lab_mounts() == []
+    assert lab_hosts.lab_cgroups() == []
     assert net.lab_netns() == []
     assert net.lab_links() == []
     assert net.lab_routes() == []

@@ -101,10 +101,41 @@ class Limits(_Strict):
     relations: list[Relation] = Field(default_factory=list)
 
 
+class Requirement(_Strict):
+    req: str  # a top-level requirement of the engine's environment (PEP 508)
+    why: str
+
+
+class HostPython(_Strict):
+    host: str  # the host OS that ships it
+    glibc: str  # what its wheels are resolved for (manylinux_<glibc>)
+
+
+class LockExclude(_Strict):
+    required: str  # the requirement the lock leaves out (PEP 508)
+    by: str  # the pinned package that requires it
+    why: str
+
+
+class Locks(_Strict):
+    """Which locks scripts/lock makes: engine x CPU architecture x host Python."""
+
+    dir: str
+    index: str
+    default_python: str
+    archs: list[Literal["x86_64", "aarch64"]]
+    pythons: dict[str, HostPython]
+    vendors: list[Literal["nvidia", "amd"]]
+
+
 class Engine(_Strict):
     label: str
     venv: str
     packages: dict[str, str]
+    requirements: list[Requirement] = Field(default_factory=list)
+    lock_excludes: dict[str, LockExclude] = Field(default_factory=dict)  # package -> why
+    lock_archs: list[str] | None = None  # narrows locks.archs
+    lock_pythons: list[str] | None = None  # narrows locks.pythons
     programs: dict[str, list[str]]
     flashinfer_floor: str | None = None
     system_packages: list[str] = Field(default_factory=list)  # from the OS (apt)
@@ -206,6 +237,7 @@ class Catalog:
         engines = _load("engines.yml")
         self.engines = {k: Engine(**v) for k, v in engines["engines"].items()}
         self.managed_kinds = {k: ManagedKind(**v) for k, v in engines["managed_kinds"].items()}
+        self.locks = Locks(**engines["locks"])
         for name, engine in self.engines.items():
             for program, managed in engine.managed.items():
                 for key, kind in {**managed.args, **managed.env}.items():
@@ -224,6 +256,20 @@ class Catalog:
         self.targets = {name: self._target(name, spec) for name, spec in specs.items()}
         # matrix cells 004 leaves out: what they would be, for the planner to refuse
         self.unoffered = {name: self._target(name, spec) for name, spec in unoffered.items()}
+
+    def lock_combos(self, engine: str) -> list[tuple[str, str]]:
+        """(arch, python) pairs the engine's environment is locked for."""
+        e = self.engines[engine]
+        if not e.requirements:
+            return []
+        archs = e.lock_archs or self.locks.archs
+        pythons = e.lock_pythons or list(self.locks.pythons)
+        return [(a, py) for a in archs for py in pythons]
+
+    def lock_path(self, engine: str, arch: str, python: str) -> str:
+        """The lock's path relative to the repository (and gpufleet's package root's parent)."""
+        name = f"{engine}-{arch}-py{python.replace('.', '')}.txt"
+        return f"gpufleet/catalog/{self.locks.dir}/{name}"
 
     def _target(self, name: str, spec: dict) -> Target:
         roles: dict = {}

@@ -65,13 +65,19 @@ def index_files(index: str, names: set[str], workers: int = 16) -> dict[str, lis
         req = urllib.request.Request(
             f"{index.rstrip('/')}/{name}/",
             headers={"Accept": "application/vnd.pypi.simple.v1+json"})
-        try:
-            with urllib.request.urlopen(req, timeout=60) as resp:
-                return name, json.load(resp)["files"]
-        except urllib.error.HTTPError as exc:
-            if exc.code == 404:
-                return name, []
-            raise
+        for attempt in range(3):  # a dropped connection is retried, a 404 is an answer
+            try:
+                with urllib.request.urlopen(req, timeout=60) as resp:
+                    return name, json.load(resp)["files"]
+            except urllib.error.HTTPError as exc:
+                if exc.code == 404:
+                    return name, []
+                if attempt == 2 or exc.code < 500:
+                    raise
+            except (urllib.error.URLError, OSError):
+                if attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
 
     with ThreadPoolExecutor(workers) as pool:
         return dict(pool.map(fetch, sorted(names)))

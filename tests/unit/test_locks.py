@@ -1,0 +1,125 @@
+"""The engine locks (gpufleet/catalog/locks/) against the catalog and the package index.
+
+The first tests are offline: every lock the catalog asks for exists and pins what the
+catalog's top-level requirements say. The `index` tests ask the index (pypi.org, the
+catalog's locks.index) whether every pinned file is still served, one request per
+project, in parallel; they are in the default run (CI reaches the index).
+"""
+
+import time
+import warnings
+
+import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+from gpufleet import catalog as cat
+from gpufleet.catalog import lockfile
+
+CATALOG = cat.load()
+COMBOS = [(e, a, py) for e in CATALOG.engines for a, py in CATALOG.lock_combos(e)]
+IDS = [f"{e}-{a}-py{py}" for e, a, py in COMBOS]
+
+
+def lock_of(engine, arch, python):
+    return lockfile.read(lockfile.REPO / CATALOG.lock_path(engine, arch, python))
+
+
+def test_every_python_engine_is_locked_for_both_archs_and_pythons():
+    locked = {e for e, _, _ in COMBOS}
+    assert locked == {"vllm", "sglang", "dynamo"}
+    assert {(a, py) for _, a, py in COMBOS} == {
+        (a, py) for a in ("x86_64", "aarch64") for py in ("3.11", "3.12")}
+
+
+def test_no_stray_lock_files():
+    wanted = {CATALOG.lock_path(*c).rsplit("/", 1)[1] for c in COMBOS}
+    present = {p.name for p in (lockfile.REPO / "gpufleet/catalog/locks").glob("*.txt")}
+    assert present == wanted, "run scripts/lock; remove the locks the catalog no longer asks for"
+
+
+@pytest.mark.parametrize(("engine", "arch", "python"), COMBOS, ids=IDS)
+def test_lock_pins_the_catalog_requirements(engine, arch, python):
+    lock, e = lock_of(engine, arch, python), CATALOG.engines[engine]
+    fix = "run scripts/lock after changing engines.yml"
+    assert lock.header["requirement"] == [r.req for r in e.requirements], fix
+    assert (lock.one("engine"), lock.one("arch"), lock.one("python")) == (engine, arch, python)
+    assert lock.one("index") == CATALOG.locks.index, fix
+    for r in e.requirements:
+        req = Requirement(r.req)
+        name = str(canonicalize_name(req.name))
+        assert name in lock.pins, f"{r.req}: not in {lock.path.name}; {fix}"
+        assert req.specifier.contains(lock.pins[name][0], prereleases=True), (
+            f"{lock.path.name} pins {name}=={lock.pins[name][0]}, the catalog asks {r.req}; {fix}")
+    for name, x in e.lock_excludes.items():
+        assert name not in lock.pins
+        assert any(line.startswith(x.required) for line in lock.header["excluded"])
+    assert all(hashes for _, hashes in lock.pins.values()), "a pin without --hash"
+    glibc = tuple(int(n) for n in lock.one("glibc").split("."))
+    host = tuple(int(n) for n in CATALOG.locks.pythons[python].glibc.split("."))
+    assert glibc <= host, f"{lock.path.name} needs glibc {lock.one('glibc')}, above its host's"
+
+
+def test_locks_resolve_what_the_engines_need():
+    """The versions the engines ask for exactly (reference: what the index serves)."""
+    pins = {e: lock_of(e, "x86_64", "3.12").pins for e in ("vllm", "sglang", "dynamo")}
+    assert pins["vllm"]["torch"][0] == "2.14.0"
+    assert pins["vllm"]["flashinfer-python"][0] == "0.7.2.post1"
+    assert pins["sglang"]["torch"][0] == "2.14.1"
+    assert pins["sglang"]["sglang-kernel"][0] == "0.4.10"
+    assert pins["dynamo"]["vllm"][0] == "0.31.0"
+    assert pins["dynamo"]["nixl"][0] == "1.4.1"
+    assert "flashinfer-cubin" not in pins["vllm"]  # no cubin at 0.7.x on the index
+
+
+@pytest.fixture(scope="module")
+def index_files():
+    names = {n for c in COMBOS for n in lock_of(*c).pins}
+    names |= {str(canonicalize_name(n)) for e in CATALOG.engines.values() for n in e.lock_excludes}
+    start = time.monotonic()
+    files = lockfile.index_files(CATALOG.locks.index, names, workers=32)
+    print(f"asked {CATALOG.locks.index} about {len(names)} projects "
+          f"in {time.monotonic() - start:.1f} s")
+    return files
+
+
+@pytest.mark.index
+@pytest.mark.parametrize(("engine", "arch", "python"), COMBOS, ids=IDS)
+def test_every_locked_file_is_on_the_index(engine, arch, python, index_files):
+    lock = lock_of(engine, arch, python)
+    missing, glibc = [], (0, 0)
+    for name, (version, hashes) in lock.pins.items():
+        served = {f["hashes"].get("sha256"): f["filename"] for f in index_files[name]}
+        for h in hashes:
+            fn = served.get(h)
+            if fn is None or lockfile.version_of(fn) != version:
+                missing.append(f"{name}=={version} sha256:{h[:12]}… ({fn or 'not served'})")
+            elif not lockfile.fits(fn, python, arch):
+                missing.append(f"{fn}: does not install on CPython {python} {arch}")
+        fits = [served[h] for h in hashes if served.get(h)]
+        if fits:
+            glibc = max(glibc, min(lockfile.glibc_of(fn) for fn in fits))
+    assert not missing, (f"{lock.path.name}: the index no longer serves these files: "
+                         f"{missing[:10]}. Fix: run scripts/lock")
+    assert lock.one("glibc") == f"{glibc[0]}.{glibc[1]}"
+
+
+@pytest.mark.index
+def test_excluded_packages_are_still_missing_from_the_index(index_files):
+    """A package a lock leaves out: the index still serves no wheel of the required
+    version (else scripts/lock should lock it). What it is not checked against is said."""
+    seen = 0
+    for engine, e in CATALOG.engines.items():
+        for name, x in e.lock_excludes.items():
+            seen += 1
+            version = str(next(iter(Requirement(x.required).specifier)).version)
+            wheels = [f["filename"] for f in index_files[str(canonicalize_name(name))]
+                      if lockfile.version_of(f["filename"]) == version]
+            assert not wheels, (
+                f"engines.{engine}.lock_excludes.{name}: the index now serves {wheels}. "
+                f"Fix: drop the exclusion and run scripts/lock")
+            warnings.warn(
+                f"{engine} locks leave out {x.required} (required by {x.by}): "
+                f"{CATALOG.locks.index} serves no wheel of it, so it is not locked or "
+                "checked; a site whose index serves it installs it on top", stacklevel=1)
+    assert seen, "no exclusions to check: drop this test"

@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from . import catalog as cat
 from . import inventory as inv_mod
+from .catalog import lockfile
 
 ENGINE_ROLES = ("worker", "prefill", "decode")
 START_ORDER = {"etcd": 0, "worker": 1, "prefill": 1, "decode": 1, "router": 2, "gateway": 3}
@@ -304,6 +305,7 @@ def compose(
         api=_api(ov, inventory), endpoints=[_endpoint(f) for f in fronts],
     )
     plan.hosts = _host_requirements(plan, inventory)
+    problems += _engine_locks(plan, inventory, catalog)
     problems += rules.check(plan, catalog)
     if problems:
         raise PlanError(problems)
@@ -594,3 +596,38 @@ def _host_requirements(plan: Plan, inventory: inv_mod.Inventory) -> dict[str, di
             req["peermem"] = req["rdma"] and hw.vendor == "nvidia"
         out[name] = req
     return out
+
+
+def _engine_locks(plan: Plan, inventory: inv_mod.Inventory, catalog) -> list[Problem]:
+    """hosts[*].engine.python and .lock: the host's Python (gpufleet_host_python, else the
+    catalog's default) and the lock scripts/lock made for it and the host's CPU
+    architecture; a host with no such lock is refused."""
+    engine, hw = plan.target.engine, plan.hardware
+    if not catalog.engines[engine].requirements:
+        return []
+    combos = catalog.lock_combos(engine)
+    pythons = [py for arch, py in combos if arch == hw.cpu_arch]
+    problems = []
+    for name, req in plan.hosts.items():
+        python = str(inventory.hosts[name].vars.get("gpufleet_host_python")
+                     or catalog.locks.default_python)
+        req["engine"].update(python=python, lock=None, glibc_floor=None)
+        if hw.vendor not in catalog.locks.vendors:
+            continue  # warned once below
+        if (hw.cpu_arch, python) not in combos:
+            problems.append(Problem(
+                f"hosts.{name}.gpufleet_host_python",
+                f"no {engine} lock for CPython {python!r} on {hw.cpu_arch} ({hw.product} hosts); "
+                f"locked: {', '.join(pythons)}",
+                f'set gpufleet_host_python: "{pythons[0]}" (quoted; the host\'s python3 -V) '
+                f"for a host that has it, or add {python} to locks.pythons in "
+                "gpufleet/catalog/engines.yml and run scripts/lock"))
+            continue
+        path = catalog.lock_path(engine, hw.cpu_arch, python)
+        req["engine"]["lock"] = path
+        req["engine"]["glibc_floor"] = lockfile.read(lockfile.REPO / path).one("glibc")
+    if hw.vendor not in catalog.locks.vendors:
+        plan.warnings.append(
+            f"the {engine} locks are CUDA builds for NVIDIA hosts; {hw.product} hosts have "
+            "no lock (hosts[*].engine.lock is null) and install the catalog's pins")
+    return problems

@@ -134,7 +134,7 @@ def human(n: float) -> str:
 
 
 def now_iso() -> str:
-    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 # --------------------------------------------------------------------------- lock
@@ -294,7 +294,8 @@ def sha256_file(path: Path) -> str:
 class StreamHash(threading.Thread):
     """Hash a file while huggingface_hub writes it, so that verifying costs no second
     pass over the bytes. It follows the one ``<etag>.<random>.incomplete`` file the
-    download writes in ``blobs``, reading up to what has been written. ``digest(final)``
+    download writes in ``blobs`` (``<etag>.incomplete`` before huggingface_hub 1.0),
+    reading up to what has been written. ``digest(final)``
     returns the hash only when the file it followed became ``final`` (same inode) and it
     read every byte; otherwise None, and the caller hashes the file itself. Nothing is
     trusted on its word: a digest that does not match is checked again from disk."""
@@ -311,7 +312,9 @@ class StreamHash(threading.Thread):
 
     def _open(self):
         try:
-            found = sorted(self.blobs.glob(f"{glob.escape(self.etag)}.*.incomplete"))
+            etag = glob.escape(self.etag)
+            found = sorted(self.blobs.glob(f"{etag}.*.incomplete")) + sorted(
+                self.blobs.glob(f"{etag}.incomplete"))
         except OSError:
             return None
         for path in found[:1]:
@@ -399,7 +402,7 @@ def classify(exc: BaseException, args, token: str | None) -> FetchError:
         hint = "" if token else f" (if it is private: {TOKEN_FIX})"
         return FetchError(EXIT_NOT_FOUND, f"repo {repo} not found on {endpoint}{hint}: "
                           f"check the model repo id, or {ENDPOINT_FIX}")
-    if isinstance(exc, errors.RemoteEntryNotFoundError):
+    if _file_not_found(exc, errors):
         return FetchError(EXIT_NOT_FOUND, f"a file of {repo}@{rev} vanished on {endpoint}: "
                           f"{type(exc).__name__}")
     if _transport_error(exc):
@@ -408,6 +411,17 @@ def classify(exc: BaseException, args, token: str | None) -> FetchError:
     if isinstance(exc, errors.HfHubHTTPError):
         return FetchError(EXIT_FAILED, f"{endpoint} answered HTTP {status}: {_first_line(exc)}")
     return FetchError(EXIT_FAILED, f"{type(exc).__name__}: {_first_line(exc)}")
+
+
+def _file_not_found(exc: BaseException, errors) -> bool:
+    """The Hub answered 404 for a file: RemoteEntryNotFoundError in huggingface_hub >= 1.0;
+    in 0.x (the release Python 3.8/3.9 hosts get) EntryNotFoundError, whose subclass
+    LocalEntryNotFoundError means the Hub could not be reached, not a missing file."""
+    remote = getattr(errors, "RemoteEntryNotFoundError", None)
+    if remote is not None:
+        return isinstance(exc, remote)
+    return isinstance(exc, errors.EntryNotFoundError) and not isinstance(
+        exc, errors.LocalEntryNotFoundError)
 
 
 def _first_line(exc: BaseException) -> str:
@@ -419,7 +433,9 @@ def _transport_error(exc: BaseException) -> bool:
     while exc is not None and seen < 5:
         mod = type(exc).__module__ or ""
         name = type(exc).__name__
-        if mod.startswith(("httpx", "httpcore")) and "Error" in name and "Status" not in name:
+        # httpx (huggingface_hub >= 1.0) or requests/urllib3 (0.x); not an HTTP status error
+        transport = mod.startswith(("httpx", "httpcore", "requests", "urllib3"))
+        if transport and "Error" in name and "Status" not in name and name != "HTTPError":
             return True
         if isinstance(exc, (ConnectionError, socket.gaierror, TimeoutError)):
             return True
@@ -431,8 +447,8 @@ def _transport_error(exc: BaseException) -> bool:
 def retryable(exc: BaseException) -> bool:
     from huggingface_hub import errors
 
-    if isinstance(exc, (errors.RepositoryNotFoundError, errors.RevisionNotFoundError,
-                        errors.RemoteEntryNotFoundError, FetchError)):
+    if _file_not_found(exc, errors) or isinstance(
+            exc, (errors.RepositoryNotFoundError, errors.RevisionNotFoundError, FetchError)):
         return False
     status = getattr(getattr(exc, "response", None), "status_code", None)
     return status not in (401, 403, 404)

@@ -5,6 +5,7 @@ tampered blob, the disk-space refusal, gated repos and an unreachable endpoint."
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import io
 import json
 import os
@@ -36,6 +37,10 @@ ENGINE_FILES = {
     "tokenizer_config.json",
     "model.safetensors.index.json",
 }
+
+# the huggingface_hub the fetcher runs with (this interpreter's): scripts/host-pythons
+# runs these tests with the release roles/cache installs for each host Python
+HUB_MAJOR = int(importlib.metadata.version("huggingface_hub").split(".")[0])
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -176,17 +181,21 @@ class Watcher(threading.Thread):
 
 
 def test_interrupted_transfer_then_rerun_completes_and_no_bad_file_is_visible(mirror, tmp_path):
-    # huggingface_hub retries a short body 5 times within one call: 6 cuts make the call fail
-    mirror.set_cuts([Cut(f"{BIG_REPO}/{BIG}", 15 * 1024 * 1024, times=6, mode="close")])
+    # huggingface_hub >= 1.0 retries a short body 5 times within one call: 6 cuts make the
+    # call fail; 0.x (Python 3.8/3.9 hosts) gives up at the first
+    cuts = 6 if HUB_MAJOR >= 1 else 1
+    mirror.set_cuts([Cut(f"{BIG_REPO}/{BIG}", 15 * 1024 * 1024, times=cuts, mode="close")])
     watcher = Watcher(snapshot(tmp_path, mirror, BIG_REPO), expected(mirror, BIG_REPO))
     watcher.start()
     try:
         code, summary, out = run(mirror, tmp_path, BIG_REPO, "--retries", "1")
         assert code == 1, out
         assert BIG in summary["error"] and "re-run" in summary["error"]
-        assert mirror.stats.snapshot()["files"][f"{BIG_REPO}/{BIG}"]["cut"] == 6
+        assert mirror.stats.snapshot()["files"][f"{BIG_REPO}/{BIG}"]["cut"] == cuts
         assert not (snapshot(tmp_path, mirror, BIG_REPO) / BIG).exists()
         assert not list((tmp_path / "hub").rglob("*.incomplete"))
+        snap = snapshot(tmp_path, mirror, BIG_REPO)
+        kept = {p.name for p in snap.iterdir()} if snap.exists() else set()
 
         mirror.stats.reset()
         code, summary, out = run(mirror, tmp_path, BIG_REPO)
@@ -197,8 +206,10 @@ def test_interrupted_transfer_then_rerun_completes_and_no_bad_file_is_visible(mi
     assert watcher.bad == []
     assert BIG in watcher.seen
     assert_verified(tmp_path, mirror, BIG_REPO)
-    assert summary["downloaded"] == [BIG]  # the files verified by the first run stay
-    assert mirror.stats.snapshot()["bytes_sent"] == BIG_SIZE
+    # the files verified by the first run stay; only the rest moves
+    rest = {p: f for p, f in expected(mirror, BIG_REPO).items() if p not in kept}
+    assert sorted(summary["downloaded"]) == sorted(rest) and BIG in rest
+    assert mirror.stats.snapshot()["bytes_sent"] == sum(f.size for f in rest.values())
 
 
 def test_connection_reset_is_retried_with_backoff_in_the_same_run(mirror, tmp_path):

@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -331,6 +332,10 @@ def test_ansible_module_against_simulated_h200(tmp_path):
             "-M",
             str(REPO / "gpufleet/ansible_plugins/modules"),
             "--check",
+            # the module runs on this test's interpreter: scripts/host-pythons runs this
+            # file under every host Python 3.8 .. 3.13
+            "-e",
+            f"ansible_python_interpreter={sys.executable}",
             "-a",
             f"proc_driver_version={tmp_path}/etc/gpufleet-lab/proc/driver/nvidia/version"
             f" dev_dir={dev} pci_devices_dir={tmp_path}/no-pci",

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import sys
 import threading
@@ -13,6 +12,7 @@ import uuid
 from pathlib import Path
 
 from . import engine_flags
+from .cli import argparse_words
 from .pd import Bootstrap, Nixl
 from .server import Engine, serve
 from .settings import DATA, StartupError, parse
@@ -27,23 +27,9 @@ def _log(level: str, text: str) -> None:
 def _usage_error(engine: str, problems: list[str]) -> int:
     spec = DATA["engines"][engine]
     print(spec["usage"], file=sys.stderr)
-    print(f"{spec['prog']}: error: {_argparse_words(problems[0].split(': ', 1)[-1])}",
+    print(f"{spec['prog']}: error: {argparse_words(problems[0].split(': ', 1)[-1])}",
           file=sys.stderr)
     return 2
-
-
-def _argparse_words(problem: str) -> str:
-    """engine_flags' wording of a problem, in argparse's words."""
-    m = re.match(r"unknown flag (\S+)|unexpected argument '(.*)'", problem)
-    if m:
-        return f"unrecognized arguments: {m.group(1) or m.group(2)}"
-    m = re.match(r"(\S+) '(.*)' is not one of (.*)", problem)
-    if m:
-        return f"argument {m.group(1)}: invalid choice: '{m.group(2)}' (choose from {m.group(3)})"
-    m = re.match(r"(\S+) (needs .*)", problem)
-    if m:
-        return f"argument {m.group(1)}: expected one argument"
-    return problem
 
 
 def _help(engine: str) -> int:

@@ -563,9 +563,7 @@ def _host_requirements(plan: Plan, inventory: inv_mod.Inventory) -> dict[str, di
             "units": [p.unit for p in procs],
             "ports": sorted({port for p in procs for port in p.ports.values()}),
             "cpu_arch": hw.cpu_arch,
-            "engine": {"name": target.engine, "venv": engine.venv,
-                       "packages": engine.packages,
-                       "pins": [f"{k}=={v}" for k, v in engine.packages.items()]},
+            "engine": {"name": target.engine, "venv": engine.venv},
             "flashinfer_floor": engine.flashinfer_floor,
             "cache": {"path": plan.cache["path"], "min_free_gib": plan.cache["min_free_gib"],
                       "models": [{"repo": m["repo"], "revision": m["revision"]}
@@ -629,5 +627,5 @@ def _engine_locks(plan: Plan, inventory: inv_mod.Inventory, catalog) -> list[Pro
     if hw.vendor not in catalog.locks.vendors:
         plan.warnings.append(
             f"the {engine} locks are CUDA builds for NVIDIA hosts; {hw.product} hosts have "
-            "no lock (hosts[*].engine.lock is null) and install the catalog's pins")
+            "no lock (hosts[*].engine.lock is null): the engine_runtime role refuses them")
     return problems

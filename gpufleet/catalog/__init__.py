@@ -131,7 +131,6 @@ class Locks(_Strict):
 class Engine(_Strict):
     label: str
     venv: str
-    packages: dict[str, str]
     requirements: list[Requirement] = Field(default_factory=list)
     lock_excludes: dict[str, LockExclude] = Field(default_factory=dict)  # package -> why
     lock_archs: list[str] | None = None  # narrows locks.archs

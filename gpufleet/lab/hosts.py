@@ -320,7 +320,7 @@ def prepare_host(host: dict, all_hosts: list[dict], root: Path, pubkey: str, hw:
             0o644,
         ),
         "/etc/pip.conf": (
-            f"[global]\nindex-url = {services.wheel_index_url(host['faults'])}\n"
+            f"[global]\nindex-url = {services.wheel_index_url()}\n"
             f"trusted-host = {ctrl}\n".encode(),
             0o644,
         ),

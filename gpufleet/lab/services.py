@@ -41,19 +41,10 @@ def controller_address() -> str:
     return net.CTRL_ADDR
 
 
-# Faults that make the package source stale, as an unmaintained site mirror is: the
-# index a faulted host uses offers only these versions of these projects.
-FAULT_PINS = {
-    "flashinfer-old": {"flashinfer-python": "0.6.16", "flashinfer-cubin": "0.6.16"},
-    "flashinfer-split": {"flashinfer-cubin": "0.6.16"},
-}
-
-
-def wheel_index_url(faults: list[str] | tuple = ()) -> str:
-    """PEP 503 simple index for ``pip install --index-url`` (stale for a mirror fault)."""
-    stale = [f for f in faults if f in FAULT_PINS]
-    base = f"http://{controller_address()}:{WHEEL_PORT}"
-    return f"{base}/fault/{stale[0]}/simple" if stale else f"{base}/simple"
+def wheel_index_url() -> str:
+    """PEP 503 simple index for ``pip install --index-url`` (the FlashInfer faults are lab
+    lock variants, gpufleet/lab/wheels.py, not a different index)."""
+    return f"http://{controller_address()}:{WHEEL_PORT}/simple"
 
 
 def wheel_links_url() -> str:
@@ -130,10 +121,6 @@ class WheelHandler(SimpleHTTPRequestHandler):
 
     def do_GET(self):  # noqa: N802 (http.server's naming)
         path = self.path.split("?", 1)[0]
-        self.pins: dict[str, str] = {}
-        fault = re.match(r"^/fault/([a-z0-9-]+)(/simple/.*)$", path)
-        if fault and fault.group(1) in FAULT_PINS:
-            self.pins, path = FAULT_PINS[fault.group(1)], fault.group(2)
         if path in ("/", "/simple", "/wheels"):
             self.send_response(301)
             self.send_header("Location", "/wheels/" if path == "/wheels" else "/simple/")
@@ -143,8 +130,7 @@ class WheelHandler(SimpleHTTPRequestHandler):
             self._page("Simple index", [(f"/simple/{n}/", n) for n in names])
         elif path.startswith("/simple/"):
             want = re.sub(r"[-_.]+", "-", path[len("/simple/") :].strip("/")).lower()
-            files = [p for p in self._files() if project_of(p.name) == want
-                     and (want not in self.pins or f"-{self.pins[want]}-" in p.name)]
+            files = [p for p in self._files() if project_of(p.name) == want]
             if not files:
                 self.send_error(404, f"no such project: {want}")
                 return

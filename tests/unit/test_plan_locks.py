@@ -36,7 +36,7 @@ def test_default_python_picks_the_lock_for_the_hardware_arch(target, lock):
         assert engine["lock"] == f"gpufleet/catalog/locks/{lock}"
         assert (REPO / engine["lock"]).is_file()
         assert engine["glibc_floor"] == lockfile.read(REPO / engine["lock"]).one("glibc")
-        assert engine["pins"]  # still there for what reads it
+        assert "pins" not in engine and "packages" not in engine  # the lock says what installs
 
 
 def test_inventory_python_picks_its_lock():

@@ -1,10 +1,16 @@
 #!/usr/bin/env python3
-"""Build the lab's stand-in engine wheels (vllm, sglang, flashinfer-python, -cubin).
+"""Build the lab's stand-in wheels: the engines (vllm, sglang), FlashInfer, and any
+other package of an engine lock under its real name and locked version.
 
     python scripts/lab/standins/build.py --out DIR [--flashinfer 0.6.18]
-                                         [--flashinfer-cubin VERSION]
+                                         [--flashinfer-cubin VERSION] [NAME==VERSION ...]
 
-Writes py3-none-any wheels under the real distribution names and versions (dists.json).
+Without NAME==VERSION: the dists.json set (vllm and sglang at their default versions,
+FlashInfer at --flashinfer). With them: one wheel each, that version; a name dists.json
+has gets its shim, any other name a wheel with metadata only (importlib.metadata sees it,
+`import` does not), which is how the lab stands in for torch, the CUDA libraries and other
+GPU or heavy packages (substitute.json says which; gpufleet/lab/wheels.py builds them for
+the lab's locks). Writes py3-none-any wheels.
 vllm and sglang vendor the shared core (gpufleet_standin/) as <package>/_standin, with a
 copy of gpufleet/engine_flags.py, its flag tables and models.yml as JSON, so a host with
 nothing but python3 can run them. The wheels are written directly as zip files (PEP 427):
@@ -39,8 +45,8 @@ def _hash(data: bytes) -> str:
 def package_files(name: str, spec: dict, version: str) -> dict[str, bytes]:
     """{path in wheel: content} for one distribution."""
     files: dict[str, bytes] = {}
-    shim = HERE / "shims" / spec["shim"]
-    for path in sorted(shim.rglob("*.py")):
+    shim = HERE / "shims" / spec["shim"] if spec.get("shim") else None
+    for path in sorted(shim.rglob("*.py")) if shim else []:
         text = path.read_text().replace("@VERSION@", version)
         files[path.relative_to(shim).as_posix()] = text.encode()
     vendor = spec.get("vendor")
@@ -84,14 +90,28 @@ def write_wheel(out: Path, name: str, spec: dict, version: str) -> Path:
     return wheel
 
 
+def dists() -> dict[str, dict]:
+    data = json.loads((HERE / "dists.json").read_text())
+    data.pop("_comment", None)
+    return data
+
+
+def standin(out: Path, name: str, version: str) -> Path:
+    """The stand-in wheel of one locked package: its shim if dists.json has one, else
+    metadata only."""
+    spec = dists().get(name) or {
+        "summary": f"gpufleet lab stand-in for {name} {version} (metadata only: no GPU in the lab)"}
+    out.mkdir(parents=True, exist_ok=True)
+    return write_wheel(out, name, spec, version)
+
+
 def build(out: Path, flashinfer: str = "0.6.18", flashinfer_cubin: str | None = None
           ) -> list[Path]:
-    dists = json.loads((HERE / "dists.json").read_text())
-    dists.pop("_comment", None)
+    dists_ = dists()
     options = {"flashinfer": flashinfer, "flashinfer_cubin": flashinfer_cubin or flashinfer}
     out.mkdir(parents=True, exist_ok=True)
     return [write_wheel(out, name, spec, spec["version"] or options[spec["option"]])
-            for name, spec in dists.items()]
+            for name, spec in dists_.items()]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,8 +119,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, type=Path, help="directory for the wheels")
     parser.add_argument("--flashinfer", default="0.6.18", help="flashinfer-python version")
     parser.add_argument("--flashinfer-cubin", help="flashinfer-cubin version (default: same)")
+    parser.add_argument("pins", nargs="*", metavar="NAME==VERSION", help="one stand-in each")
     args = parser.parse_args(argv)
-    for wheel in build(args.out, args.flashinfer, args.flashinfer_cubin):
+    wheels = ([standin(args.out, *pin.split("==", 1)) for pin in args.pins] if args.pins
+              else build(args.out, args.flashinfer, args.flashinfer_cubin))
+    for wheel in wheels:
         print(wheel)
     return 0
 

@@ -1,8 +1,9 @@
 """Host preparation converges on every lab hardware profile, and re-runs with changed=0.
 
 (h200x8 is covered in depth by test_prepare.py; the others here: Blackwell HGX with the
-NVLink subnet manager, a GB200 tray with IMEX, an MI355X node with ROCm; and an NVSwitch
-fabric managed outside the host: a 2x H200 virtual machine next to an HGX H200.)
+NVLink subnet manager, a GB200 tray with IMEX; an MI355X node, whose engine no package
+index serves for ROCm, is refused; and an NVSwitch fabric managed outside the host: a 2x
+H200 virtual machine next to an HGX H200.)
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ pytestmark = pytest.mark.lab
 PROFILES = [
     ("b200x8", "b200-pd-1node"),
     ("gb200x4", "gb200-agg"),
-    ("mi355x8", "sglang-mi355x-low-latency"),
 ]
 
 
@@ -40,6 +40,22 @@ def test_prepare_converges_and_reruns_unchanged(profile_lab):
     assert again.returncode == 0, again.stdout[-4000:]
     assert all(c["changed"] == 0 for h, c in recap(again.stdout).items() if h != "localhost"), \
         again.stdout[-3000:]
+
+
+def test_amd_host_is_refused_the_package_runtime(_lab_session):
+    """No ROCm build of SGLang is installable from the package index (the plan has no lock
+    for AMD hosts): the deploy stops with the image runtime as the fix, and no venv is made."""
+    lab_hosts.up(hosts=2, profiles=["mi355x8"])
+    try:
+        run = playbook("-i", "inventories/lab", "playbooks/preflight.yml",
+                       "playbooks/prepare.yml", "-e", "gpufleet_target=sglang-mi355x-low-latency")
+        said = " ".join(run.stdout.split())
+        assert run.returncode != 0, run.stdout[-4000:]
+        # the planner refuses it up front; the engine_runtime role would refuse it too
+        assert "no ROCm build of sglang" in said and "image runtime" in said, run.stdout[-4000:]
+        assert ssh("lab1", "ls /opt/gpufleet/engines 2>/dev/null; true").strip() == ""
+    finally:
+        lab_hosts.up(hosts=2)
 
 
 # The fabric_manager role, then the health role, on a plan that needs an NVSwitch fabric on

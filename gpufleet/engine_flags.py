@@ -2,9 +2,15 @@
 
 The tables in ``catalog/engine-cli/`` were dumped from the real packages (argparse
 tables for vLLM, SGLang and Dynamo's vLLM worker; ``--help`` text for the routers
-and the Dynamo frontend). This module turns them into one lookup and checks an argv
-against it: an unknown flag, a value outside the flag's choices, a missing value or a
-JSON value that does not parse is a problem. Like argparse, it does not check free-form
+and the Dynamo frontend). vllm-0.31.0-serve-flags.json: vLLM 0.31.0's wheel from pypi.org
+(the one the Dynamo locks pin, sha256 39132b43...), `make_arg_parser` of
+vllm.entrypoints.launchers.cli_args on a CPU machine with VLLM_TARGET_DEVICE=cpu and the
+platform's device_type read as "cuda" (only --mm-processor-device's choices read it); the
+same dump of vLLM 0.33.0 gives vllm-0.33.0-serve-flags.json byte for byte.
+
+This module turns them into one lookup and checks an argv against it: an unknown flag,
+a value outside the flag's choices, a missing value or a JSON value that does not parse
+is a problem. Like argparse, it does not check free-form
 values such as parser names; the engines check those later.
 
 Stdlib only: the lab's stand-in engines ship a copy of this file and parse with it.
@@ -20,13 +26,14 @@ from pathlib import Path
 TABLE_DIR = Path(__file__).parent / "catalog" / "engine-cli"
 
 # program key -> (human name, table files). Dynamo's vLLM worker takes its own
-# options plus every vLLM engine option.
+# options plus every option of the vLLM it runs: ai-dynamo 1.6.1's `vllm` extra pins
+# vLLM 0.31.0 (the Dynamo locks install it), not the 0.33.0 of the vllm engine.
 PROGRAMS: dict[str, tuple[str, tuple[str, ...]]] = {
     "vllm serve": ("vLLM 0.33.0 `vllm serve`", ("vllm-0.33.0-serve-flags.json",)),
     "sglang.launch_server": ("SGLang 0.5.23 server", ("sglang-0.5.23-server-flags.json",)),
     "dynamo.vllm": (
-        "Dynamo 1.6.1 `python -m dynamo.vllm`",
-        ("dynamo-1.6.1-vllm-worker-flags.json", "vllm-0.33.0-serve-flags.json"),
+        "Dynamo 1.6.1 `python -m dynamo.vllm` (vLLM 0.31.0)",
+        ("dynamo-1.6.1-vllm-worker-flags.json", "vllm-0.31.0-serve-flags.json"),
     ),
     "dynamo.frontend": ("Dynamo 1.6.1 frontend", ("dynamo-1.6.1-frontend-help.txt",)),
     "dynamo.mocker": ("Dynamo 1.6.1 mocker", ("dynamo-1.6.1-mocker-help.txt",)),
@@ -80,7 +87,8 @@ def negations(entries: dict[str, dict]) -> dict[str, dict]:
     pair of switches that take no value: `--X` with `--no-X`, or, for a field named
     enable_*/disable_*, `--enable-Y` with `--disable-Y`. The parser also takes `--no-`
     before either word of such a pair, meaning the other word (vLLM 0.33.0 reads
-    `--no-disable-hybrid-kv-cache-manager` as `--enable-hybrid-kv-cache-manager`). A
+    `--no-disable-hybrid-kv-cache-manager` as `--enable-hybrid-kv-cache-manager`; vLLM
+    0.31.0 registers `--enable-Y` with `--no-enable-Y` and has no `--disable-Y`). A
     lone switch (store_true, e.g. --headless) and a flag that takes a value have no
     `--no-` form. Tables that do not record nargs (SGLang, Dynamo) derive nothing:
     their BooleanOptionalAction flags are listed with their `--no-` forms.

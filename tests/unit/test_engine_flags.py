@@ -3,12 +3,16 @@ and the checker itself catches what the real parsers reject."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from gpufleet import catalog as cat
 from gpufleet import engine_flags
+from gpufleet.catalog import lockfile
 from gpufleet.plan import make_plan
 
+REPO = Path(__file__).resolve().parents[2]
 OPTION_CASES = [("sglang-h200-low-latency", o) for o in ("hicache", "cp", "dflash2", "fp8-kv")]
 OPTION_CASES.append(("sglang-h200-pd", "layer-split"))
 
@@ -47,6 +51,9 @@ def test_options_render_accepted_flags(target, option):
     (["python3", "-m", "dynamo.frontend", "--router-mode", "kv-aware"], "is not one of"),
     (["python3", "-m", "dynamo.vllm", "--dyn-reasoning-parser", "glm99"], "is not one of"),
     (["python3", "-m", "sglang_router.launch_router", "--pd"], "unknown flag --pd"),
+    # Dynamo's workers run vLLM 0.31.0, which has no --disable-prefix-caching (0.33.0 does)
+    (["python3", "-m", "dynamo.vllm", "--disable-prefix-caching"],
+     "(vLLM 0.31.0): unknown flag --disable-prefix-caching"),
 ])
 def test_checker_rejects_what_the_real_parser_rejects(argv, problem):
     problems = engine_flags.check(argv)
@@ -59,6 +66,8 @@ def test_checker_rejects_what_the_real_parser_rejects(argv, problem):
     ["vllm", "serve", "m", "--no-enable-prefix-caching"],          # prefix caching off
     ["vllm", "serve", "m", "--no-enforce-eager", "--port", "8000"],  # listed in the table
     ["python3", "-m", "dynamo.vllm", "--no-disable-hybrid-kv-cache-manager"],
+    ["python3", "-m", "dynamo.vllm", "--no-enable-prefix-caching"],
+    ["vllm", "serve", "m", "--disable-prefix-caching"],
 ])
 def test_checker_takes_the_no_forms_the_real_parser_takes(argv):
     assert engine_flags.check(argv) == []
@@ -80,3 +89,14 @@ def test_help_parser_reads_choices_and_nargs():
     assert t["--prefill"]["nargs"] == "+"
     assert "round_robin" in t["--policy"]["choices"]
     assert "--kv-events" in engine_flags.table("dynamo.frontend")  # an alias on one line
+
+
+def test_each_program_is_checked_against_the_version_its_lock_installs():
+    """vllm serve: the vllm lock's vLLM; dynamo.vllm: the vLLM that ai-dynamo 1.6.1's
+    `vllm` extra installs (the Dynamo lock's), whatever the vllm engine pins."""
+    for program, engine in (("vllm serve", "vllm"), ("dynamo.vllm", "dynamo")):
+        lock = lockfile.read(REPO / cat.load().lock_path(engine, "x86_64", "3.12"))
+        version = lock.pins["vllm"][0]
+        tables = engine_flags.PROGRAMS[program][1]
+        assert f"vllm-{version}-serve-flags.json" in tables, (program, version, tables)
+        assert f"vLLM {version}" in engine_flags.PROGRAMS[program][0]

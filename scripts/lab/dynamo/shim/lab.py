@@ -1,7 +1,7 @@
 """``python -m dynamo.vllm`` in the lab: check the real worker's argv, then serve.
 
 1. The argv is checked against the option tables of Dynamo 1.6.1's vLLM worker plus
-   vLLM 0.33.0 (``engine_flags.py``, the same checker the planner uses): an unknown
+   vLLM 0.31.0 (``engine_flags.py``, the same checker the planner uses): an unknown
    flag, a bad choice or broken JSON exits 2 with an argparse-style message.
 2. Misconfigurations a real worker refuses at startup are refused here too: tensor x
    pipeline (x local data) parallel size larger than the GPUs this process can see

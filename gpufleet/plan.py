@@ -237,11 +237,15 @@ def make_plan(
 def not_offered(catalog, target: cat.Target) -> Problem:
     """Why a cell of 004's matrix is left out: the rules' own messages for what it
     would be (composed on placeholder hosts), then the nearest offered targets."""
+    from .rules import RUNTIME_FIELD  # the rules import this module; imported late
+
     try:
         compose(catalog, target)
-        reasons = ["004 leaves it out of the matrix"]  # no rule objects: a catalog choice
+        reasons = []
     except PlanError as exc:
-        reasons = [p.message for p in exc.problems]
+        # the AMD refusal holds for the offered AMD targets too: it is no reason for the cell
+        reasons = [p.message for p in exc.problems if p.field != RUNTIME_FIELD]
+    reasons = reasons or ["004 leaves it out of the matrix"]  # no rule objects: a catalog choice
     hw = catalog.hardware[target.hardware]
     here = [n for n in target.instead if catalog.targets[n].hardware == target.hardware]
     there = [n for n in target.instead if n not in here]

@@ -11,7 +11,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from packaging.version import Version
+
 from . import engine_flags
+from .catalog import lockfile
 from .overrides import engine_limits
 from .plan import ENGINE_ROLES, WEIGHT_SHARE, Plan, Problem, Process
 
@@ -23,6 +26,10 @@ SPECULATIVE_FLAGS = (
     "--speculative-draft-model-path",
 )
 LAYOUT_ENV = ("VLLM_SSM_CONV_STATE_LAYOUT", "VLLM_KV_CACHE_LAYOUT")
+# FlashInfer's companion packages: where a lock has one, it must be flashinfer-python's version
+FLASHINFER_COMPANIONS = ("flashinfer-cubin", "flashinfer-jit-cache")
+# Problem.field of the AMD refusal (a matrix cell's own reasons leave it out: see plan.not_offered)
+RUNTIME_FIELD = "engine.runtime"
 KV_FLAGS = ("--kv-cache-dtype", "--tensor-parallel-size", "--block-size")
 
 
@@ -278,6 +285,59 @@ def fp8_kv_option_on_hopper_only(plan: Plan, catalog) -> list[Problem]:
     return []
 
 
+def venv_runtime_needs_nvidia(plan: Plan, catalog) -> list[Problem]:
+    """The engine is installed into a virtual environment from the package index, whose
+    vLLM and SGLang wheels are CUDA builds: on an AMD host they would not run."""
+    if plan.hardware.vendor in catalog.locks.vendors:
+        return []
+    engine = catalog.engines[plan.target.engine]
+    what = engine.requirements[0].req.replace("==", " ") if engine.requirements else engine.label
+    hosts = sorted(h for h, req in plan.hosts.items() if "gpu" in req)
+    return [Problem(
+        RUNTIME_FIELD,
+        f"no ROCm build of {what} is on the package index ({catalog.locks.index}); the venv "
+        f"runtime would install CUDA wheels on an AMD host ({plan.hardware.product}: "
+        f"{', '.join(hosts)})",
+        "run it from the recipe's ROCm container image (the image runtime, which gpufleet "
+        "does not have yet: it comes in a later change); until then serve on NVIDIA GPUs "
+        "(`fab targets`: the same strategies on h200, b200, b300, gb300)")]
+
+
+def flashinfer_at_floor(plan: Plan, catalog) -> list[Problem]:
+    """FlashInfer as each host's lock installs it: flashinfer-python at or above the
+    engine's floor, and the companions the lock has at exactly its version."""
+    floor = plan.engine.flashinfer_floor
+    problems: list[Problem] = []
+    seen = set()
+    for name, req in sorted(plan.hosts.items()):
+        path = req["engine"].get("lock")
+        if not floor or not path or path in seen:
+            continue
+        seen.add(path)
+        pins = lockfile.read(lockfile.REPO / path).pins
+        where = f"engines.{plan.target.engine}.requirements in gpufleet/catalog/engines.yml"
+        have = pins.get("flashinfer-python", (None,))[0]
+        if have is None or Version(have) < Version(floor):
+            problems.append(Problem(
+                f"hosts.{name}.engine.lock",
+                f"{path} installs flashinfer-python {have or '(none)'}, below the floor {floor} "
+                f"(engines.{plan.target.engine}.flashinfer_floor: {plan.model.repo}'s NoPE sparse "
+                "MLA needs it)",
+                f"require an engine release that brings flashinfer-python >= {floor} (or add "
+                f"flashinfer-python>={floor}) in {where}, then run scripts/lock"))
+            continue
+        for companion in FLASHINFER_COMPANIONS:
+            version = pins.get(companion, (have,))[0]
+            if version != have:
+                problems.append(Problem(
+                    f"hosts.{name}.engine.lock",
+                    f"{path} installs {companion} {version} next to flashinfer-python {have}; "
+                    "they must be the same version (mixed, serving crashed with an illegal "
+                    "memory access)",
+                    f"require {companion}=={have} in {where}, or drop it, then run scripts/lock"))
+    return problems
+
+
 def flags_accepted(plan: Plan, catalog) -> list[Problem]:
     problems = []
     for p in plan.processes:
@@ -305,6 +365,8 @@ RULES: list[Callable[[Plan, object], list[Problem]]] = [
     fp8_kv_option_on_hopper_only,
     flags_accepted,
     engine_limits,
+    venv_runtime_needs_nvidia,
+    flashinfer_at_floor,
 ]
 
 

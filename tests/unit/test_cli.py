@@ -81,13 +81,23 @@ def test_set_overrides_are_refused_when_they_break_a_rule():
     ("h200", "h200-disagg", {"h200-node1", "h200-node2"}),
     ("gb200", "gb200-disagg", {"gb200-tray1", "gb200-tray2"}),
     ("b200", "b200-pd-1node", {"b200-node1"}),
-    ("mi355x", "sglang-mi355x-low-latency", {"mi355x-node1"}),
     ("sample", "h200-pd-1node", {"gpu-node1"}),
 ])
 def test_sample_inventories_plan_their_target(name, target, hosts):
     plan = json.loads(fab("plan", "-i", f"inventories/{name}", "--format", "json").stdout)
     assert plan["target"] == target
     assert set(plan["hosts"]) == hosts
+
+
+def test_the_amd_sample_inventory_is_refused_with_why_and_what_instead():
+    """PyPI's SGLang wheels are CUDA builds and the image runtime is not there yet."""
+    proc = fab("plan", "-i", "inventories/mi355x", check=False)
+    assert proc.returncode == 2, proc.stdout
+    assert "nothing was changed" in proc.stderr
+    assert ("no ROCm build of sglang 0.5.23 is on the package index (https://pypi.org/simple); "
+            "the venv runtime would install CUDA wheels on an AMD host (AMD Instinct MI355X: "
+            "mi355x-node1)") in proc.stderr
+    assert "Fix: run it from the recipe's ROCm container image" in proc.stderr
 
 
 def test_gb200_inventory_gets_an_imex_domain_of_both_trays():

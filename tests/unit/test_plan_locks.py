@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gpufleet import inventory
+from gpufleet import inventory, rules
 from gpufleet.catalog import lockfile
 from gpufleet.plan import PlanError, make_plan
 
@@ -57,7 +57,11 @@ def test_host_python_without_a_lock_is_refused(python):
     assert 'gpufleet_host_python: "3.12"' in problem.fix and "scripts/lock" in problem.fix
 
 
-def test_amd_hosts_have_no_cuda_lock_and_say_so():
+def test_amd_hosts_have_no_cuda_lock_and_say_so(monkeypatch):
+    with pytest.raises(PlanError, match="no ROCm build of sglang 0.5.23"):
+        make_plan("sglang-mi355x-low-latency")  # refused whole: test_rules
+    monkeypatch.setattr(rules, "RULES",
+                        [r for r in rules.RULES if r is not rules.venv_runtime_needs_nvidia])
     plan = make_plan("sglang-mi355x-low-latency")
     assert all(h["engine"]["lock"] is None for h in plan.hosts.values())
     assert any("CUDA builds" in w and "MI355X" in w for w in plan.warnings)

@@ -3,11 +3,18 @@ that catches it: with that rule removed from RULES the same input plans silently
 
 from __future__ import annotations
 
+from pathlib import Path
+from types import SimpleNamespace
+
 import pytest
 
 from gpufleet import catalog as cat
 from gpufleet import inventory, rules
+from gpufleet.catalog import lockfile
 from gpufleet.plan import PlanError, make_plan
+
+REPO = Path(__file__).resolve().parents[2]
+VLLM_LOCK = "gpufleet/catalog/locks/vllm-x86_64-py312.txt"  # h200-pd-1node's hosts install it
 
 # rule -> (target, overrides, text the message must contain)
 CASES = {
@@ -48,7 +55,25 @@ CASES = {
         "h200-pd-1node", {"args": {"decode": {"--gpu-memory-utilization": 1.5}}}, "is above 1"),
     # a cell 004 leaves out: the refusal's reason is this rule's message
     "nvfp4_needs_blackwell": ("sglang-h200-low-latency-nvfp4", {}, "Blackwell"),
+    "venv_runtime_needs_nvidia": (
+        "sglang-mi355x-low-latency", {},
+        "no ROCm build of sglang 0.5.23 is on the package index (https://pypi.org/simple); the "
+        "venv runtime would install CUDA wheels on an AMD host (AMD Instinct MI355X"),
 }
+
+
+def crafted_lock(request, pins: dict[str, str]) -> None:
+    """The locks are read from a copy of the repository's in tmp_path where VLLM_LOCK pins
+    `pins` instead (name -> version; a name the lock lacks is added)."""
+    tmp = request.getfixturevalue("tmp_path")
+    text = (REPO / VLLM_LOCK).read_text()
+    for name, version in pins.items():
+        pinned = lockfile.read(REPO / VLLM_LOCK).pins.get(name)
+        text = (text.replace(f"{name}=={pinned[0]} ", f"{name}=={version} ") if pinned
+                else text + f"{name}=={version} \\\n    --hash=sha256:{'0' * 64}\n")
+    (tmp / VLLM_LOCK).parent.mkdir(parents=True)
+    (tmp / VLLM_LOCK).write_text(text)
+    request.getfixturevalue("monkeypatch").setattr(lockfile, "REPO", tmp)
 
 
 def _loopback_inventory():
@@ -61,11 +86,15 @@ def _case(name, request):
     """(target, inventory, overrides, text)"""
     if name == "gateway_has_an_address":
         return "h200-pd-1node", _loopback_inventory(), {}, "API gateway would listen on 127"
+    if name == "flashinfer_at_floor":
+        crafted_lock(request, {"flashinfer-python": "0.6.16"})
+        return "h200-pd-1node", None, {}, (
+            f"{VLLM_LOCK} installs flashinfer-python 0.6.16, below the floor 0.6.18")
     target, overrides, text = CASES[name]
     return target, None, overrides, text
 
 
-ALL = [*CASES, "gateway_has_an_address"]
+ALL = [*CASES, "gateway_has_an_address", "flashinfer_at_floor"]
 
 
 def test_every_rule_has_a_case():
@@ -220,3 +249,40 @@ def test_replicas_of_a_multi_node_target_are_refused():
     inv = inventory.placeholder({"prefill": 2, "decode": 2})
     with pytest.raises(PlanError, match="replicas copy a single-node target.*Fix: drop"):
         make_plan("h200-disagg", inv, {"replicas": True})
+
+
+def test_flashinfer_companion_at_another_version_is_refused(request):
+    crafted_lock(request, {"flashinfer-cubin": "0.7.0"})
+    with pytest.raises(PlanError) as err:
+        make_plan("h200-pd-1node")
+    (problem,) = err.value.problems
+    assert problem.field == "hosts.workers-1.engine.lock"
+    assert ("installs flashinfer-cubin 0.7.0 next to flashinfer-python 0.7.2.post1"
+            in problem.message)
+    assert "require flashinfer-cubin==0.7.2.post1" in problem.fix
+
+
+@pytest.mark.parametrize("engine", ["vllm", "dynamo"])
+def test_the_real_locks_install_flashinfer_at_or_above_the_floor(engine):
+    """Every lock of an engine with a floor passes the rule (not only those a plan picks)."""
+    c = cat.load()
+    floor = c.engines[engine].flashinfer_floor
+    assert floor == "0.6.18"
+    for arch, python in c.lock_combos(engine):
+        path = c.lock_path(engine, arch, python)
+        plan = SimpleNamespace(engine=c.engines[engine], target=SimpleNamespace(engine=engine),
+                               model=None, hosts={"h": {"engine": {"lock": path}}})
+        assert rules.flashinfer_at_floor(plan, c) == [], path
+
+
+def test_an_amd_target_is_refused_before_any_host_even_as_a_plan():
+    """No runtime installs an engine on AMD yet: the plan (which every fab task and
+    playbook computes first) refuses, so no host is touched."""
+    with pytest.raises(PlanError) as err:
+        make_plan("sglang-mi300x-balanced")
+    (problem,) = err.value.problems
+    assert problem.field == "engine.runtime"
+    assert "no ROCm build of sglang 0.5.23" in problem.message
+    assert "CUDA wheels on an AMD host (AMD Instinct MI300X: workers-1)" in problem.message
+    assert "ROCm container image (the image runtime" in problem.fix
+    assert "does not have yet" in problem.fix

@@ -32,12 +32,21 @@ def deployed(lab):
 def test_preflight_parses_the_installed_engines_command_lines(deployed):
     proc = playbook("playbooks/preflight.yml", "-e", f"gpufleet_target={TARGET}")
     assert proc.returncode == 0, proc.stdout[-3000:]
-    block = proc.stdout.split("Each engine command line through the installed engine's parser")[1]
-    assert "ok: [lab1]" in block.split("TASK [")[0], block[:1500]
+    assert _ran_on_lab1(proc.stdout), proc.stdout[-3000:]
+
+
+def _plan() -> dict:
+    return json.loads(fab("plan", "--target", TARGET, "-i", "inventories/lab", "--format",
+                          "json").stdout)
+
+
+def _ran_on_lab1(output: str) -> bool:
+    block = output.split("Each engine command line through the installed engine's parser")[1]
+    return "ok: [lab1]" in block.split("TASK [")[0]
 
 
 def _dry_parse(tmp_path, processes: list[dict]) -> subprocess.CompletedProcess:
-    plan = json.loads(fab("plan", "--target", TARGET, "--format", "json").stdout)
+    plan = _plan()
     (tmp_path / "vars.json").write_text(json.dumps(
         {"preflight_plan": plan, "preflight_dry_parse_processes": processes}))
     (tmp_path / "dry_parse.yml").write_text(
@@ -51,12 +60,13 @@ def _dry_parse(tmp_path, processes: list[dict]) -> subprocess.CompletedProcess:
 
 
 def test_a_flag_the_installed_engine_refuses_stops_the_host_unchanged(deployed, tmp_path):
-    plan = json.loads(fab("plan", "--target", TARGET, "--format", "json").stdout)
+    plan = _plan()
     decode = next(p for p in plan["processes"] if p["name"] == "decode")
     assert decode["argv"][0] == f"{VENV}/bin/vllm"
 
     good = _dry_parse(tmp_path, [decode])
     assert good.returncode == 0, good.stdout[-3000:]
+    assert _ran_on_lab1(good.stdout), good.stdout[-3000:]
     assert recap(good.stdout)["lab1"]["changed"] == 0
 
     before = digests()

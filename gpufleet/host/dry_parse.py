@@ -26,10 +26,16 @@ one (or its parser could not be loaded), 2 the input is not usable.
 Where each engine keeps its parser:
 - vLLM ``vllm serve``: ``make_arg_parser(FlexibleArgumentParser(...))``, then the
   arguments after ``serve``, as vllm/entrypoints/cli/serve.py builds it.
-  ``make_arg_parser`` is in ``vllm.entrypoints.launchers.cli_args`` (0.31, 0.33) or
+  ``make_arg_parser`` is in ``vllm.entrypoints.common.cli_args`` (0.33, read from its
+  wheel), ``vllm.entrypoints.launchers.cli_args`` (0.31) or
   ``vllm.entrypoints.openai.cli_args`` (earlier); ``FlexibleArgumentParser`` in
   ``vllm.utils.argparse_utils`` (0.11 on) or ``vllm.utils``. Before ``make_arg_parser``
   added the model positional (``model_tag``), serve.py added it; so does this program.
+  vLLM 0.33 builds the parser's defaults from the current platform (``DeviceConfig``
+  raises "Failed to infer device type" on an unspecified one): where no GPU is seen
+  (the lab, a host without the driver yet) this program puts the CPU platform in its
+  place first, as ``vllm bench`` does (vllm/entrypoints/cli/main.py); a GPU host keeps
+  its CUDA platform.
 - SGLang: ``ServerArgs.add_cli_args(parser)`` on a plain argparse parser, then
   ``parse_args``, as sglang.srt.server_args.prepare_server_args does (without building
   ``ServerArgs``, whose __post_init__ inspects the GPUs).
@@ -118,10 +124,24 @@ def _first(candidates: list) -> object:
     raise ImportError("none of " + ", ".join(missing) + " exists in this venv")
 
 
+def _vllm_platform() -> None:
+    """The CPU platform where vLLM resolves none (no GPU through NVML), as ``vllm bench``
+    sets it; a vLLM without ``vllm.platforms`` (older, or a stand-in) is left alone."""
+    try:
+        platforms = importlib.import_module("vllm.platforms")
+    except ImportError:
+        return
+    current = platforms.current_platform
+    if getattr(current, "is_unspecified", lambda: False)():
+        platforms.current_platform = importlib.import_module("vllm.platforms.cpu").CpuPlatform()
+
+
 def vllm_parser(prog: str) -> argparse.ArgumentParser:
+    _vllm_platform()
     flexible = _first([("vllm.utils.argparse_utils", "FlexibleArgumentParser"),
                        ("vllm.utils", "FlexibleArgumentParser")])
-    make_arg_parser = _first([("vllm.entrypoints.launchers.cli_args", "make_arg_parser"),
+    make_arg_parser = _first([("vllm.entrypoints.common.cli_args", "make_arg_parser"),
+                              ("vllm.entrypoints.launchers.cli_args", "make_arg_parser"),
                               ("vllm.entrypoints.openai.cli_args", "make_arg_parser")])
     parser = make_arg_parser(flexible(prog=prog))
     if prog == "vllm serve" and "model_tag" not in {a.dest for a in parser._actions}:
@@ -139,6 +159,7 @@ def parse(engine: str, prog: str, args: list) -> None:
         server_args.ServerArgs.add_cli_args(parser)
         call = parser.parse_args
     else:
+        _vllm_platform()
         parse_args = importlib.import_module("dynamo.vllm.args").parse_args
         if inspect.signature(parse_args).parameters:
             call = parse_args

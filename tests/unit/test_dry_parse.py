@@ -227,3 +227,53 @@ def test_missing_engine_is_reported_not_crashed(tmp_path):
 def test_bad_input_exits_2(tmp_path, data):
     rc, out, _ = run(tmp_path, data)
     assert rc == 2 and out["ok"] is False and out["error"].startswith("bad input")
+
+
+# --- vLLM 0.33's layout, as its wheel has it ----------------------------------------------
+# make_arg_parser in vllm.entrypoints.common.cli_args, and a parser that cannot be built on
+# an unspecified platform (DeviceConfig: "Failed to infer device type") without a GPU.
+VLLM_033 = {
+    "vllm/__init__.py": "",
+    "vllm/utils/__init__.py": "",
+    "vllm/utils/argparse_utils.py": """
+        import argparse
+        class FlexibleArgumentParser(argparse.ArgumentParser):
+            pass
+        """,
+    "vllm/platforms/__init__.py": """
+        class UnspecifiedPlatform:
+            device_type = ""
+            def is_unspecified(self):
+                return True
+        current_platform = UnspecifiedPlatform()
+        """,
+    "vllm/platforms/cpu.py": """
+        class CpuPlatform:
+            device_type = "cpu"
+            def is_unspecified(self):
+                return False
+        """,
+    "vllm/entrypoints/__init__.py": "",
+    "vllm/entrypoints/common/__init__.py": "",
+    "vllm/entrypoints/common/cli_args.py": """
+        def make_arg_parser(parser):
+            from vllm.platforms import current_platform
+            if not current_platform.device_type:
+                raise RuntimeError("Failed to infer device type")
+            parser.add_argument("model_tag", nargs="?")
+            parser.add_argument("--max-num-seqs", type=int)
+            return parser
+        """,
+    "vllm-0.33.0.dist-info/METADATA": "Metadata-Version: 2.1\nName: vllm\nVersion: 0.33.0\n",
+}
+
+
+def test_vllm_033_layout_parses_without_a_gpu(tmp_path):
+    for name, text in VLLM_033.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(textwrap.dedent(text))
+    rc, out, err = run(tmp_path, {"argv": ["vllm", "serve", "m", "--max-num-seqs", "8"]})
+    assert (rc, out["ok"], out["version"]) == (0, True, "0.33.0"), (out, err)
+    rc, out, _ = run(tmp_path, {"argv": ["vllm", "serve", "m", "--max-num-sequences", "8"]})
+    assert rc == 1
+    assert out["error"] == "vllm serve: error: unrecognized arguments: --max-num-sequences 8"

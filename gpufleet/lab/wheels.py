@@ -46,6 +46,9 @@ LOCKS = REPO / "gpufleet" / "catalog" / "locks"
 LOCK_DIR = WHEEL_DIR.parent / "locks"
 # The locks the lab deploys from: its hosts are x86_64 Debian 12 with CPython 3.11.
 LAB_LOCKS = ("vllm-x86_64-py311.txt", "sglang-x86_64-py311.txt", "dynamo-x86_64-py311.txt")
+# The lab's GB200/GB300 trays answer aarch64 but run on this x86_64 machine: their lab locks
+# keep the aarch64 locks' names and versions, with the x86_64 files of those versions.
+CROSS_LOCKS = tuple(name.replace("x86_64", "aarch64") for name in LAB_LOCKS)
 PLATFORMS = ["any", "linux_x86_64", "manylinux1_x86_64", "manylinux2010_x86_64",
              "manylinux2014_x86_64", *(f"manylinux_2_{m}_x86_64" for m in range(5, 37))]
 INDEX = "https://pypi.org/simple"
@@ -98,7 +101,7 @@ def lab_lock_text(text: str, swap: dict[str, tuple[str, str]], note: str, added:
             if skip:
                 seen.add(name)
                 version, digest = swap[name]
-                out += [f"{name}=={version} \\", f"    --hash=sha256:{digest}"]
+                out += [f"{name}=={version} \\", *_hash_lines(digest)]
                 continue
         elif skip and line.startswith("    --hash="):
             continue
@@ -107,8 +110,23 @@ def lab_lock_text(text: str, swap: dict[str, tuple[str, str]], note: str, added:
         out.append(line)
     for name in sorted(set(swap) - seen):
         version, digest = swap[name]
-        out += [f"{name}=={version} \\", f"    --hash=sha256:{digest}", f"    # via {added}"]
+        out += [f"{name}=={version} \\", *_hash_lines(digest), f"    # via {added}"]
     return f"# lab: {note}\n" + "\n".join(out) + "\n"
+
+
+def _hash_lines(digest: str | list[str]) -> list[str]:
+    digests = [digest] if isinstance(digest, str) else digest
+    return [f"    --hash=sha256:{d}" + (" \\" if i < len(digests) - 1 else "")
+            for i, d in enumerate(digests)]
+
+
+def _local_wheels(wheel_dir: Path) -> dict[tuple[str, str], list[Path]]:
+    """(normalized name, version) -> the wheel files wheel_dir holds of it."""
+    found: dict[tuple[str, str], list[Path]] = {}
+    for whl in sorted(wheel_dir.glob("*.whl")):
+        name, version = whl.name.split("-")[:2]
+        found.setdefault((_norm(name), version), []).append(whl)
+    return found
 
 
 def _pip_download(reqs: list[str], dest: Path, what: str) -> None:
@@ -148,16 +166,25 @@ def ensure(log=print, wheel_dir: Path = WHEEL_DIR, lock_dir: Path = LOCK_DIR) ->
         if real:
             log(f"fetching {len(real)} wheels of {name} from {INDEX} into {wheel_dir} (once)")
             _pip_download(real, wheel_dir, f"the real wheels of {name}")
+    for name in CROSS_LOCKS:  # the x86_64 files of the aarch64 locks' versions
+        have = _local_wheels(wheel_dir)
+        real = [f"{n}=={v}" for n, (v, _) in lockfile.read(LOCKS / name).pins.items()
+                if not substituted(n) and (_norm(n), v) not in have]
+        if real:
+            log(f"fetching {len(real)} x86_64 wheels of {name}'s versions into {wheel_dir} (once)")
+            _pip_download(real, wheel_dir, f"the x86_64 wheels of {name}'s versions")
     # the cache role's tools venv: huggingface_hub (the controller's pin) and what it needs
     hub = metadata.version("huggingface-hub")
     if not _have("huggingface-hub", hub, wheel_dir):
         _pip_deps([f"huggingface-hub=={hub}"], wheel_dir)
-    write_lab_locks(wheel_dir, lock_dir)
+    write_lab_locks(wheel_dir, lock_dir, cross=True)
 
 
-def write_lab_locks(wheel_dir: Path, lock_dir: Path) -> dict[tuple[str, str], Path]:
+def write_lab_locks(wheel_dir: Path, lock_dir: Path,
+                    cross: bool = False) -> dict[tuple[str, str], Path]:
     """Build the stand-ins of LAB_LOCKS into wheel_dir (upstream's ai-dynamo wheel must be
-    there) and write the lab locks and their fault variants into lock_dir, offline.
+    there) and write the lab locks and their fault variants into lock_dir, offline; with
+    ``cross`` also CROSS_LOCKS, whose real x86_64 files must be in wheel_dir.
     Returns (name, version) -> stand-in wheel."""
     build = _load(STANDINS / "build.py", "gpufleet_lab_standins_build")
     dynamo = _load(DYNAMO / "build.py", "gpufleet_lab_dynamo_build")
@@ -179,10 +206,18 @@ def write_lab_locks(wheel_dir: Path, lock_dir: Path) -> dict[tuple[str, str], Pa
     for variant, faults in {"": {}, **FAULT_LOCKS}.items():
         out = lock_dir / variant if variant else lock_dir
         out.mkdir(parents=True, exist_ok=True)
-        for name in LAB_LOCKS:
+        local = _local_wheels(wheel_dir) if cross else {}
+        for name in LAB_LOCKS + (CROSS_LOCKS if cross else ()):
             text = (LOCKS / name).read_text()
             pins = lockfile.parse(text).pins
             swap = {n: (v, standin(n, v)) for n, (v, _) in pins.items() if substituted(n)}
+            if name in CROSS_LOCKS:
+                try:
+                    swap.update({n: (v, [_sha256(w) for w in local[_norm(n), v]])
+                                 for n, (v, _) in pins.items() if not substituted(n)})
+                except KeyError as exc:
+                    raise WheelError(f"lab wheel source: no x86_64 wheel of {exc.args[0]} for "
+                                     f"{name} in {wheel_dir}") from None
             # a lower flashinfer-python, or a companion flashinfer-cubin at another version
             swap.update({n: (v, standin(n, v)) for n, v in faults.items()
                          if n in pins or n == "flashinfer-cubin"})

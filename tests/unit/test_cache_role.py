@@ -47,7 +47,8 @@ def interpreter(version: str) -> str:
     root = os.environ.get("HOST_PYTHONS_DIR", "/root/.pyenv/versions")
     found = sorted(glob.glob(f"{root}/{version}.*/bin/python"))
     if not found:
-        pytest.skip(f"no Python {version} under {root}")
+        pytest.fail(f"no Python {version} under {root}. Fix: install it (pyenv install {version}) "
+                    "or set HOST_PYTHONS_DIR", pytrace=False)
     return found[0]
 
 

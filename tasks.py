@@ -18,10 +18,11 @@ from invoke import Collection, Exit, task
 
 from gpufleet import cli
 from gpufleet.inventory import InventoryError
-from gpufleet.lab.tasks import lab
 from gpufleet.plan import ENGINE_ROLES, PlanError
 
 ROOT = Path(__file__).resolve().parent
+# The lab (lab/, apart from the installed package) adds `fab lab.*` where it is present.
+LAB = ROOT / "lab"
 DEFAULT_INVENTORY = "inventories/lab"
 ROLES = ["etcd", *ENGINE_ROLES, "router", "gateway"]
 
@@ -32,15 +33,18 @@ PLAN_HELP = {
     "set_": "override ROLE:--flag=value or ROLE:ENV=value (ROLE: engines, worker, prefill, "
             "decode, router, etcd); repeatable",
     "unset": "drop ROLE:--flag or ROLE:ENV; repeatable",
+    "runtime": "venv or image (default: gpufleet_runtime from the inventory, else venv on "
+               "NVIDIA hosts and image on AMD hosts)",
 }
 
 
-def _plan(target, inventory, with_="", set_=None, unset=None):
+def _plan(target, inventory, with_="", set_=None, unset=None, runtime=None):
     if inventory == DEFAULT_INVENTORY and not (ROOT / inventory / "hosts.yml").exists():
-        raise Exit("gpufleet: the lab inventory does not exist yet. Fix: bring the lab up "
-                   "first (fab lab.up) or pass -i with your inventory", code=2)
+        fix = "bring the lab up first (fab lab.up) or pass" if LAB.is_dir() else "pass"
+        raise Exit(f"gpufleet: the lab inventory does not exist yet. Fix: {fix} -i with your "
+                   "inventory", code=2)
     try:
-        return cli.build(target, inventory, with_, set_, unset)
+        return cli.build(target, inventory, with_, set_, unset, runtime)
     except (PlanError, InventoryError) as exc:
         raise Exit(f"gpufleet: refusing, nothing was changed:\n{exc}", code=2) from None
 
@@ -109,10 +113,11 @@ def targets(c, format="text"):
 @task(iterable=["set_", "unset"], help={**PLAN_HELP, "format": "text (default) or json",
                                          "inventory": "Ansible inventory; without it, the "
                                          "target's reference topology with placeholder hosts"})
-def plan(c, target=None, inventory=None, with_="", set_=None, unset=None, format="text"):
+def plan(c, target=None, inventory=None, with_="", set_=None, unset=None, runtime=None,
+         format="text"):
     """Show every process a target runs: host, argv, environment, GPUs, ports, units."""
     try:
-        p = cli.build(target, inventory, with_, set_, unset)
+        p = cli.build(target, inventory, with_, set_, unset, runtime)
     except (PlanError, InventoryError) as exc:
         raise Exit(f"gpufleet: refusing, nothing was changed:\n{exc}", code=2) from None
     if format == "json":
@@ -124,9 +129,9 @@ def plan(c, target=None, inventory=None, with_="", set_=None, unset=None, format
 @task(iterable=["set_", "unset"],
       help={**PLAN_HELP, "check": "dry run: ansible --check --diff, changes nothing"})
 def deploy(c, target=None, inventory=DEFAULT_INVENTORY, with_="", set_=None, unset=None,
-           check=False):
+           runtime=None, check=False):
     """Deploy: preflight, prepare, cache, serve, smoke test, health timer; then a summary."""
-    p = _plan(target, inventory, with_, set_, unset)
+    p = _plan(target, inventory, with_, set_, unset, runtime)
     print(f"gpufleet: deploying {p.target.name} to {inventory} "
           f"({len(p.processes)} processes on {len(p.hosts)} host(s))")
     _ansible("site.yml", p, inventory, check=check)
@@ -331,4 +336,8 @@ def health(c, target=None, inventory=DEFAULT_INVENTORY, format="text"):
 
 ns = Collection(targets, plan, deploy, endpoint, bench, prepare, cache, smoke, status, logs,
                 restart, teardown, health)
-ns.add_collection(lab)
+if (LAB / "gpufleet_lab").is_dir():
+    sys.path.insert(0, str(LAB))
+    from gpufleet_lab.tasks import lab
+
+    ns.add_collection(lab)

@@ -39,9 +39,9 @@ MIB = 1024 * 1024
 
 def start_mirror(shard_mib: float):
     proc = subprocess.Popen(
-        [sys.executable, "-m", "gpufleet.lab.hfmirror", "--port", "0", "--repo", REPO,
+        [sys.executable, "-m", "gpufleet_lab.hfmirror", "--port", "0", "--repo", REPO,
          "--shard-mib", str(shard_mib)],
-        cwd=ROOT, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+        cwd=ROOT / "lab", stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
     line = proc.stderr.readline()
     match = re.search(r"on (http://\S+)", line)
     if not match:

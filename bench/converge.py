@@ -46,6 +46,7 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "lab"))  # the lab's package, gpufleet_lab (not installed)
 BIN = Path(sys.executable).parent
 TARGET = "h200-pd-1node"
 CHANGE = {"decode": {"--max-num-seqs": 256}}
@@ -91,6 +92,13 @@ def run(cmd: list[str], env: dict | None = None, check: bool = True) -> tuple[fl
 
 def changed(output: str) -> int:
     return sum(int(n) for n in re.findall(r"^\S+\s+:\s+ok=\d+\s+changed=(\d+)", output, re.M))
+
+
+def tasks_per_host(output: str) -> dict[str, int]:
+    """Tasks each host ran or skipped, from the play recap (ok counts changed too)."""
+    return {host: int(ok) + int(failed) + int(skipped) for host, ok, failed, skipped in
+            re.findall(r"^(\S+)\s+:\s+ok=(\d+)\s+changed=\d+\s+unreachable=\d+\s+"
+                       r"failed=(\d+)\s+skipped=(\d+)", output, re.M)}
 
 
 def task_times(output: str) -> list[tuple[str, float]]:
@@ -156,7 +164,7 @@ def site(inv: str, cfg: str, profile: bool = False,
 
 
 def main_pids(hosts: list[str]) -> dict[str, str]:
-    from gpufleet.lab.hosts import ssh_cmd
+    from gpufleet_lab.hosts import ssh_cmd
     out = {}
     for h in hosts:
         proc = subprocess.run(ssh_cmd(h, "systemctl show -p Id,MainPID 'gpufleet-*.service'"),
@@ -185,9 +193,15 @@ def bench_size(n: int, workdir: Path, with_defaults: bool, with_mitogen: bool,
               "engine_start_s": round(waits, 1), "overhead_s": round(first - waits, 1),
               "noop_rerun_s": round(noop, 1), "noop_changed": changed(out),
               "noop_cpu": dict(LAST_CPU),
+              "noop_controller_cpu_per_host_s": round(LAST_CPU["controller_cpu_s"] / n, 2),
+              "noop_tasks_per_host": max(v for h, v in tasks_per_host(out).items()
+                                         if h != "localhost"),
+              "noop_tasks_controller": tasks_per_host(out).get("localhost", 0),
               "slowest_tasks_first": slowest_first,
               "slowest_tasks_noop": sorted(task_times(out), key=lambda t: -t[1])[:5]}
-    log(f"{n}: no-op re-run {noop:.1f}s, changed={result['noop_changed']}")
+    log(f"{n}: no-op re-run {noop:.1f}s, changed={result['noop_changed']}, "
+        f"{result['noop_tasks_per_host']} tasks per host, "
+        f"{result['noop_controller_cpu_per_host_s']} controller CPU-s per host")
     if with_defaults:
         slow, out = site(inv, defaults_cfg(workdir), profile=True)  # as ours: same callback
         result.update(noop_rerun_defaults_s=round(slow, 1),
@@ -245,6 +259,13 @@ def main() -> int:
         "noop_controller_cpu_scaling": round(top["noop_cpu"]["controller_cpu_s"]
                                              / base["noop_cpu"]["controller_cpu_s"], 2),
         "goal_noop_scaling_max": 2.0,
+        # marginal controller CPU of one more host: (top - base) / (hosts added)
+        "noop_controller_cpu_per_added_host_s": round(
+            (top["noop_cpu"]["controller_cpu_s"] - base["noop_cpu"]["controller_cpu_s"])
+            / max(1, top["hosts"] - base["hosts"]), 2),
+        "goal_noop_controller_cpu_per_host_max_s": 1.0,
+        "goal_noop_one_host_max_s": 10.0,
+        "goal_noop_tasks_per_host_max": 60,
         "goal_config_speedup_min": 2.0,
         "goal_overhead_max_s": 120,
         "goal_fleet_health_max_s": 3.0,
@@ -262,6 +283,11 @@ def main() -> int:
               f"{r.get('config_speedup', nan):>6.2f}x "
               f"{r.get('noop_rerun_mitogen_s', nan):>6.1f}s {r['change_s']:>6.1f}s "
               f"{len(r['change_restarted']):>8} {r['fleet_health_s']:>6.2f}s")
+    for r in results:
+        print(f"{r['hosts']} host(s): {r['noop_tasks_per_host']} tasks per host on a no-op "
+              f"(goal <= 60), {r['noop_controller_cpu_per_host_s']} controller CPU-s per host "
+              f"(goal <= 1.0)")
+    print(f"controller CPU per added host: {summary['noop_controller_cpu_per_added_host_s']} s")
     print(f"no-op re-run, {top['hosts']} hosts vs {base['hosts']}: "
           f"{summary['noop_scaling']}x (goal <= 2x); controller CPU "
           f"{summary['noop_controller_cpu_scaling']}x")

@@ -28,6 +28,9 @@ INVENTORY_OVERRIDES = {
     "gpufleet_api_key": "api_key",
     "gpufleet_api_key_file": "api_key_file",
     "gpufleet_replicas": "replicas",
+    "gpufleet_runtime": "runtime",
+    "gpufleet_images": "images",
+    "gpufleet_registry_mirror": "registry_mirror",
 }
 
 
@@ -87,11 +90,14 @@ def target_from(inventory: inv_mod.Inventory | None, target: str | None) -> str:
 
 
 def build(target: str | None, inventory_path: str | None, with_: str = "",
-          set_: list[str] | None = None, unset: list[str] | None = None) -> Plan:
+          set_: list[str] | None = None, unset: list[str] | None = None,
+          runtime: str | None = None) -> Plan:
     """The plan for command-line arguments. Raises PlanError / InventoryError."""
     inventory = inv_mod.load(inventory_path) if inventory_path else None
     name = target_from(inventory, target)
     overrides = overrides_from(inventory, split_csv(with_), parse_set(set_ or [], unset or []))
+    if runtime:
+        overrides["runtime"] = runtime
     return make_plan(name, inventory, overrides or None)
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from .plan import ENGINE_ROLES, OWN_PROGRAM, Overrides, Plan, Problem, Process
+from .model import ENGINE_ROLES, OWN_PROGRAM, Overrides, Plan, Problem, Process
 
 MODEL_CONTEXT = "model.context"
 TRUE_ENV = ("1", "true", "True", "TRUE", "yes")

@@ -13,138 +13,39 @@ import difflib
 import hashlib
 import json
 import os
-import shlex
-from dataclasses import asdict, dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ValidationError
 
 from . import catalog as cat
 from . import inventory as inv_mod
+from . import rules
 from .catalog import lockfile
+from .model import (  # noqa: F401 (the planner's public names, as before the model module)
+    DEFAULT_CACHE_DIR,
+    DEFAULT_MEM_FRACTION,
+    ENGINE_ROLES,
+    OWN_PROGRAM,
+    START_ORDER,
+    WEIGHT_SHARE,
+    EngineReq,
+    GpuReq,
+    HostPlan,
+    Overrides,
+    Plan,
+    PlanError,
+    Problem,
+    Process,
+)
+from .overrides import managed
 
-ENGINE_ROLES = ("worker", "prefill", "decode")
-START_ORDER = {"etcd": 0, "worker": 1, "prefill": 1, "decode": 1, "router": 2, "gateway": 3}
-# roles whose program comes from a catalog entry of their own, not the target's engine
-OWN_PROGRAM = ("etcd", "gateway")
 GATEWAY_CONF_DIR = "/etc/gpufleet/gateway"
-DEFAULT_CACHE_DIR = "/var/cache/gpufleet/hf"
-# Fit check: weights may take at most this share of the memory an engine may use;
-# the rest is KV cache, activations and CUDA graphs.
-WEIGHT_SHARE = 0.85
-DEFAULT_MEM_FRACTION = {"vllm": 0.9, "dynamo": 0.9, "sglang": 0.8}
+# image runtime: where the host keeps 002's sitecustomize overlay, mounted read-only at the
+# same path in the engine containers and put first on their PYTHONPATH
+OVERLAY_DIR = "/etc/gpufleet/overlay"
 ENGINE_TIMEOUT_S = 3600  # first load + graph capture takes tens of minutes (002)
 ROUTER_TIMEOUT_S = 300
-
-
-@dataclass
-class Problem:
-    field: str
-    message: str
-    fix: str
-
-    def __str__(self) -> str:
-        return f"{self.field}: {self.message}. Fix: {self.fix}"
-
-
-class PlanError(Exception):
-    def __init__(self, problems: list[Problem]):
-        self.problems = problems
-        super().__init__("\n".join(f"- {p}" for p in problems))
-
-
-class Overrides(BaseModel):
-    """What an operator may change on top of a target (CLI --with/--set, inventory vars)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    options: list[str] = Field(default_factory=list)
-    # role (or `engines`) -> flag -> value; None drops the flag
-    args: dict[str, dict[str, Any]] = Field(default_factory=dict)
-    env: dict[str, dict[str, str | None]] = Field(default_factory=dict)
-    ports: dict[str, dict[str, int]] = Field(default_factory=dict)
-    gpus: dict[str, list[int]] = Field(default_factory=dict)  # role -> GPU indices
-    model_revision: str | None = None
-    cache_dir: str = DEFAULT_CACHE_DIR
-    hf_endpoint: str | None = None
-    # the endpoint requires an API key (checked by the gateway in front of the router)
-    api_key: bool = True
-    api_key_file: str | None = None  # on the controller; default: see api_key_path()
-    # a single-node target on every host of its group: one independent copy per host
-    replicas: bool = False
-
-
-@dataclass
-class Process:
-    name: str
-    role: str
-    host: str
-    address: str
-    argv: list[str]
-    env: dict[str, str]
-    unit: str
-    ports: dict[str, int]
-    gpus: list[int]
-    order: int
-    readiness: dict
-    node_rank: int = 0
-    bind: str = "0.0.0.0"  # address the process listens on (see _bind)
-    args: dict[str, Any] = field(default_factory=dict, repr=False)
-
-    def to_json(self) -> dict:
-        out = asdict(self)
-        out.pop("args")
-        out.pop("address")
-        out.pop("bind")
-        return out
-
-    @property
-    def command(self) -> str:
-        return shlex.join(self.argv)
-
-
-@dataclass
-class Plan:
-    target: cat.Target
-    model: cat.Model
-    engine: cat.Engine
-    hardware: cat.Hardware
-    processes: list[Process]
-    hosts: dict[str, dict]
-    cache: dict
-    endpoint: str
-    warnings: list[str]
-    options: list[str]
-    inventory: str
-    api: dict = field(default_factory=dict)
-    endpoints: list[str] = field(default_factory=list)  # one per replica
-
-    def to_json(self) -> dict:
-        return {
-            "target": self.target.name,
-            "summary": self.target.summary,
-            "engine": self.target.engine,
-            "hardware": self.target.hardware,
-            "options": self.options,
-            "model": {
-                "repo": self.model.repo,
-                "revision": self.cache["models"][0]["revision"],
-                "served_name": self.model.served_name,
-                "modalities": self.model.modalities,
-            },
-            "endpoint": self.endpoint,
-            "endpoints": self.endpoints,
-            "api": self.api,
-            "processes": [p.to_json() for p in self.processes],
-            "hosts": self.hosts,
-            "cache": self.cache,
-            "warnings": self.warnings,
-            "inventory": self.inventory,
-        }
-
-    def by_role(self, role: str) -> list[Process]:
-        return [p for p in self.processes if p.role == role]
 
 
 # --------------------------------------------------------------------------- helpers
@@ -237,14 +138,12 @@ def make_plan(
 def not_offered(catalog, target: cat.Target) -> Problem:
     """Why a cell of 004's matrix is left out: the rules' own messages for what it
     would be (composed on placeholder hosts), then the nearest offered targets."""
-    from .rules import RUNTIME_FIELD  # the rules import this module; imported late
-
     try:
         compose(catalog, target)
         reasons = []
     except PlanError as exc:
         # the AMD refusal holds for the offered AMD targets too: it is no reason for the cell
-        reasons = [p.message for p in exc.problems if p.field != RUNTIME_FIELD]
+        reasons = [p.message for p in exc.problems if p.field != rules.RUNTIME_FIELD]
     reasons = reasons or ["004 leaves it out of the matrix"]  # no rule objects: a catalog choice
     hw = catalog.hardware[target.hardware]
     here = [n for n in target.instead if catalog.targets[n].hardware == target.hardware]
@@ -278,8 +177,6 @@ def compose(
     hardware = catalog.hardware[target.hardware]
     topology = catalog.topologies[target.topology]
 
-    from .overrides import managed  # reads Overrides and Problem from here; imported late
-
     problems: list[Problem] = _check_override_roles(target, topology, ov)
     problems += managed(catalog, target, topology, ov)
     roles, draft = _layer_options(catalog, target, ov, problems)
@@ -288,6 +185,9 @@ def compose(
     if problems:
         raise PlanError(problems)
 
+    runtime, image = _runtime(catalog, target, hardware, ov, problems)
+    if problems:
+        raise PlanError(problems)
     revision = ov.model_revision or model.revision
     cache = _cache(ov, model, draft, revision, catalog)
     processes, fronts = [], []
@@ -296,11 +196,10 @@ def compose(
         if ov.api_key:
             replica.append(_gateway(front))
             front.bind = "127.0.0.1"
-        _render(replica, roles, target, model, draft, engine, catalog, cache, ov)
+        _render(replica, roles, target, model, draft, engine, catalog, cache, ov,
+                in_image=image is not None)
         processes += replica
         fronts.append(front)
-
-    from . import rules  # the rules read plans; imported here to keep the cycle local
 
     plan = Plan(
         target=target, model=model, engine=engine, hardware=hardware,
@@ -309,7 +208,10 @@ def compose(
         api=_api(ov, inventory), endpoints=[_endpoint(f) for f in fronts],
     )
     plan.hosts = _host_requirements(plan, inventory)
-    problems += _engine_locks(plan, inventory, catalog)
+    if image is None:
+        problems += _engine_locks(plan, inventory, catalog)
+    else:
+        _containers(plan, image, ov, catalog)
     problems += rules.check(plan, catalog)
     if problems:
         raise PlanError(problems)
@@ -455,7 +357,35 @@ def _cache(ov: Overrides, model, draft, revision: str, catalog) -> dict:
     }
 
 
-def _render(processes, roles, target, model, draft, engine, catalog, cache, ov) -> None:
+def _runtime(catalog, target, hardware, ov: Overrides,
+             problems: list[Problem]) -> tuple[str, cat.Image | None]:
+    """The engine runtime (the operator's, else the vendor's default) and, for `image`, the
+    image: the operator's reference for the engine, else the catalog's for the hardware."""
+    runtime = ov.runtime or catalog.runtimes.default[hardware.vendor]
+    imaged = [n for n, e in catalog.engines.items() if e.images]
+    unknown = sorted(set(ov.images) - set(imaged))
+    if unknown:
+        problems.append(Problem(
+            "overrides.images", f"no image-run engine named {', '.join(unknown)}",
+            "key gpufleet_images by engine: " + ", ".join(imaged)))
+    if runtime == "venv":
+        return runtime, None
+    listed = catalog.image(target.engine, target.hardware)
+    if target.engine in ov.images:
+        return runtime, cat.Image(ref=ov.images[target.engine], source="gpufleet_images",
+                                  sitecustomize=listed.sitecustomize if listed else None)
+    if listed is None:
+        problems.append(Problem(
+            "engine.image", f"no {target.engine} image for {hardware.product} hosts in the "
+            "catalog (no recipe names one)",
+            f"set gpufleet_images: {{{target.engine}: REGISTRY/NAME:TAG}} in the inventory, or "
+            "gpufleet_runtime: venv where the index serves a build for these hosts"))
+        return runtime, None
+    return runtime, listed
+
+
+def _render(processes, roles, target, model, draft, engine, catalog, cache, ov,
+            in_image: bool = False) -> None:
     by_role = {p.role: p for p in processes}
     firsts = {}
     for p in processes:
@@ -488,7 +418,10 @@ def _render(processes, roles, target, model, draft, engine, catalog, cache, ov) 
         else:
             source, program_key = engine, ("router" if p.role == "router" else "engine")
         prefix = [_fmt(x, {"model": model}) for x in source.programs[program_key]]
-        prefix[0] = f"{source.venv.rstrip('/')}/{prefix[0]}"
+        if in_image and p.engine_venv:  # the image's own program, on its PATH
+            prefix[0] = prefix[0].removeprefix("bin/")
+        else:
+            prefix[0] = f"{source.venv.rstrip('/')}/{prefix[0]}"
         p.argv = prefix + [tok for flag, value in p.args.items()
                            for tok in [flag, *render_value(value)]]
         p.readiness = _readiness(p, target, model)
@@ -551,53 +484,106 @@ def _endpoint(front: Process) -> str:
     return f"http://{front.address}:{front.ports['http']}/v1"
 
 
-def _host_requirements(plan: Plan, inventory: inv_mod.Inventory) -> dict[str, dict]:
+def _host_requirements(plan: Plan, inventory: inv_mod.Inventory) -> dict[str, HostPlan]:
     hw, engine, target = plan.hardware, plan.engine, plan.target
     plan_catalog = cat.load()
     deployment_hosts = sorted({p.host for p in plan.processes})
-    out: dict[str, dict] = {}
-    multi_node_engine = len({p.host for p in plan.processes if p.role in ENGINE_ROLES}) > 1
+    out: dict[str, HostPlan] = {}
+    multi_node_engine = len({p.host for p in plan.engines}) > 1
     for name in deployment_hosts:
-        procs = [p for p in plan.processes if p.host == name]
+        procs = plan.on_host(name)
         gpus = sorted({g for p in procs for g in p.gpus})
-        ucx = {k: v for p in procs for k, v in p.env.items() if k.startswith("UCX_")}
-        req: dict[str, Any] = {
-            "address": inventory.hosts[name].address,
-            "roles": [p.role for p in procs],
-            "units": [p.unit for p in procs],
-            "ports": sorted({port for p in procs for port in p.ports.values()}),
-            "cpu_arch": hw.cpu_arch,
-            "engine": {"name": target.engine, "venv": engine.venv},
-            "flashinfer_floor": engine.flashinfer_floor,
-            "cache": {"path": plan.cache["path"], "min_free_gib": plan.cache["min_free_gib"],
-                      "models": [{"repo": m["repo"], "revision": m["revision"]}
-                                 for m in plan.cache["models"]]},
-            "ucx_env": ucx,
-        }
         engines_here = [plan_catalog.engines[p.role] if p.role in OWN_PROGRAM else engine
                         for p in procs]
-        req["system_packages"] = sorted({x for e in engines_here for x in e.system_packages})
-        req["disable_services"] = sorted({x for e in engines_here for x in e.disable_services})
+        req = HostPlan(
+            address=inventory.hosts[name].address,
+            roles=[p.role for p in procs],
+            units=[p.unit for p in procs],
+            ports=sorted({port for p in procs for port in p.ports.values()}),
+            cpu_arch=hw.cpu_arch,
+            engine=EngineReq(name=target.engine, venv=engine.venv),
+            flashinfer_floor=engine.flashinfer_floor,
+            cache={"path": plan.cache["path"], "min_free_gib": plan.cache["min_free_gib"],
+                   "models": [{"repo": m["repo"], "revision": m["revision"]}
+                              for m in plan.cache["models"]]},
+            ucx_env={k: v for p in procs for k, v in p.env.items() if k.startswith("UCX_")},
+            system_packages=sorted({x for e in engines_here for x in e.system_packages}),
+            disable_services=sorted({x for e in engines_here for x in e.disable_services}),
+        )
         if gpus:
-            req["gpu"] = {
-                "vendor": hw.vendor, "product": hw.product, "arch": hw.arch,
-                "count": hw.gpus_per_node, "used": gpus, "memory_mib": hw.memory_mib,
-                "compute_capability": hw.compute_capability, "gfx": hw.gfx,
-            }
-            req["driver_floor"] = hw.driver_floor
-            req["rocm_floor"] = hw.rocm_floor
+            req.gpu = GpuReq(
+                vendor=hw.vendor, product=hw.product, arch=hw.arch,
+                count=hw.gpus_per_node, used=gpus, memory_mib=hw.memory_mib,
+                compute_capability=hw.compute_capability, gfx=hw.gfx)
+            req.driver_floor = hw.driver_floor
+            req.rocm_floor = hw.rocm_floor
             # an NVSwitch fabric: the host decides whether it runs the fabric manager itself
             # or someone else (a hypervisor) does (gpu_facts fabric_manager_mode)
-            req["fabric_manager"] = "fabric_manager" in hw.host_software
-            req["nvlsm"] = "nvlsm" in hw.host_software
-            req["imex"] = (
-                {"domain": [inventory.hosts[h].address for h in deployment_hosts]}
-                if "imex" in hw.host_software else None
-            )
-            req["rdma"] = bool(target.rdma or multi_node_engine)
-            req["peermem"] = req["rdma"] and hw.vendor == "nvidia"
+            req.fabric_manager = "fabric_manager" in hw.host_software
+            req.nvlsm = "nvlsm" in hw.host_software
+            req.imex = ({"domain": [inventory.hosts[h].address for h in deployment_hosts]}
+                        if "imex" in hw.host_software else None)
+            req.rdma = bool(target.rdma or multi_node_engine)
+            req.peermem = req.rdma and hw.vendor == "nvidia"
         out[name] = req
     return out
+
+
+def _containers(plan: Plan, image: cat.Image, ov: Overrides, catalog) -> None:
+    """Image runtime: each host's image and each process's container: the GPUs (by CDI on
+    NVIDIA, /dev/kfd and the render nodes on AMD), the HCAs and IPC_LOCK where the plan
+    moves data over RDMA, host network and IPC, unlimited locked memory, the cache read-only
+    (and the Hub offline), the engine's shared directories, 002's overlay."""
+    hw, engine = plan.hardware, plan.engine
+    cache = plan.cache["path"]
+    for req in plan.hosts.values():
+        req.engine.runtime, req.engine.image = "image", image.ref
+        req.engine.registry_mirror = ov.registry_mirror
+    for p in plan.processes:
+        if not p.engine_venv:
+            continue
+        req = plan.hosts[p.host]
+        devices, extra = [], {}
+        if p.gpus:
+            if hw.vendor == "nvidia":
+                # every GPU of the host: CUDA_VISIBLE_DEVICES pins the process's own by
+                # their host indices, as in the venv runtime
+                devices.append("nvidia.com/gpu=all")
+            else:
+                # ROCm's container guide: the compute and render nodes, the video group,
+                # no seccomp filter (HIP_VISIBLE_DEVICES pins the GPUs)
+                devices += ["/dev/kfd", "/dev/dri"]
+                extra = {"group_add": ["video"], "security_opt": ["seccomp=unconfined"]}
+        rdma = bool(req.rdma) and p.is_engine
+        if rdma:  # 004: without the HCAs Mooncake silently falls back to TCP
+            devices.append("/dev/infiniband")
+        mounts = [{"source": cache, "target": cache, "read_only": True}]
+        mounts += [{"source": path, "target": path, "read_only": False}
+                   for path in engine.image_mounts]
+        if p.is_engine:
+            p.env["HF_HUB_OFFLINE"] = "1"
+            if image.sitecustomize:
+                mounts.append({"source": OVERLAY_DIR, "target": OVERLAY_DIR, "read_only": True})
+                p.env["PYTHONPATH"] = OVERLAY_DIR
+        p.container = {
+            "image": image.ref, "name": p.unit.removesuffix(".service"),
+            "devices": devices, "rdma": rdma, "cap_add": ["IPC_LOCK"] if rdma else [],
+            "network": "host", "ipc": "host", "memlock": "unlimited", "mounts": mounts,
+            "sitecustomize": image.sitecustomize if p.is_engine else None,
+            "group_add": [], "security_opt": [], **extra,
+        }
+    if "@sha256:" not in image.ref:
+        plan.warnings.append(
+            f"image runtime: {image.ref} is a tag, not a digest: each host pins the digest of "
+            f"its first pull and the deploy refuses hosts that differ; pin one with "
+            f"gpufleet_images: {{{plan.target.engine}: {_repository(image.ref)}@sha256:...}}")
+
+
+def _repository(ref: str) -> str:
+    """An image reference without its tag or digest (a registry's :port stays)."""
+    name = ref.split("@", 1)[0]
+    head, sep, tag = name.rpartition(":")
+    return head if sep and "/" not in tag else name
 
 
 def _engine_locks(plan: Plan, inventory: inv_mod.Inventory, catalog) -> list[Problem]:
@@ -613,7 +599,7 @@ def _engine_locks(plan: Plan, inventory: inv_mod.Inventory, catalog) -> list[Pro
     for name, req in plan.hosts.items():
         python = str(inventory.hosts[name].vars.get("gpufleet_host_python")
                      or catalog.locks.default_python)
-        req["engine"].update(python=python, lock=None, glibc_floor=None)
+        req.engine.python = python
         if hw.vendor not in catalog.locks.vendors:
             continue  # warned once below
         if (hw.cpu_arch, python) not in combos:
@@ -626,8 +612,8 @@ def _engine_locks(plan: Plan, inventory: inv_mod.Inventory, catalog) -> list[Pro
                 "gpufleet/catalog/engines.yml and run scripts/lock"))
             continue
         path = catalog.lock_path(engine, hw.cpu_arch, python)
-        req["engine"]["lock"] = path
-        req["engine"]["glibc_floor"] = lockfile.read(lockfile.REPO / path).one("glibc")
+        req.engine.lock = path
+        req.engine.glibc_floor = lockfile.read(lockfile.REPO / path).one("glibc")
     if hw.vendor not in catalog.locks.vendors:
         plan.warnings.append(
             f"the {engine} locks are CUDA builds for NVIDIA hosts; {hw.product} hosts have "

@@ -15,8 +15,8 @@ from packaging.version import Version
 
 from . import engine_flags
 from .catalog import lockfile
+from .model import DEFAULT_MEM_FRACTION, WEIGHT_SHARE, Plan, Problem, Process
 from .overrides import engine_limits
-from .plan import ENGINE_ROLES, WEIGHT_SHARE, Plan, Problem, Process
 
 # Flags and environment that must be identical on prefill and decode: the KV
 # handshake (NIXL compatibility hash, Mooncake) refuses a pair that differs.
@@ -34,7 +34,7 @@ KV_FLAGS = ("--kv-cache-dtype", "--tensor-parallel-size", "--block-size")
 
 
 def _engines(plan: Plan) -> list[Process]:
-    return [p for p in plan.processes if p.role in ENGINE_ROLES]
+    return plan.engines
 
 
 def _int(p: Process, *flags: str, default: int = 1) -> int:
@@ -105,8 +105,6 @@ def fp8_kv_on_hopper(plan: Plan, catalog) -> list[Problem]:
 
 
 def weights_fit(plan: Plan, catalog) -> list[Problem]:
-    from .plan import DEFAULT_MEM_FRACTION
-
     weight = plan.cache["weight_gib"]
     gib_per_gpu = plan.hardware.memory_mib / 1024
     problems = []
@@ -288,19 +286,19 @@ def fp8_kv_option_on_hopper_only(plan: Plan, catalog) -> list[Problem]:
 def venv_runtime_needs_nvidia(plan: Plan, catalog) -> list[Problem]:
     """The engine is installed into a virtual environment from the package index, whose
     vLLM and SGLang wheels are CUDA builds: on an AMD host they would not run."""
-    if plan.hardware.vendor in catalog.locks.vendors:
+    if plan.hardware.vendor in catalog.locks.vendors or all(
+            req.engine.runtime == "image" for req in plan.hosts.values()):
         return []
     engine = catalog.engines[plan.target.engine]
     what = engine.requirements[0].req.replace("==", " ") if engine.requirements else engine.label
-    hosts = sorted(h for h, req in plan.hosts.items() if "gpu" in req)
+    hosts = sorted(h for h, req in plan.hosts.items() if req.gpu is not None)
     return [Problem(
         RUNTIME_FIELD,
         f"no ROCm build of {what} is on the package index ({catalog.locks.index}); the venv "
         f"runtime would install CUDA wheels on an AMD host ({plan.hardware.product}: "
         f"{', '.join(hosts)})",
-        "run it from the recipe's ROCm container image (the image runtime, which gpufleet "
-        "does not have yet: it comes in a later change); until then serve on NVIDIA GPUs "
-        "(`fab targets`: the same strategies on h200, b200, b300, gb300)")]
+        "run it from the recipe's ROCm container image, the image runtime (gpufleet_runtime: "
+        "image, the default on AMD hosts, or --runtime image)")]
 
 
 def flashinfer_at_floor(plan: Plan, catalog) -> list[Problem]:
@@ -310,7 +308,7 @@ def flashinfer_at_floor(plan: Plan, catalog) -> list[Problem]:
     problems: list[Problem] = []
     seen = set()
     for name, req in sorted(plan.hosts.items()):
-        path = req["engine"].get("lock")
+        path = req.engine.lock
         if not floor or not path or path in seen:
             continue
         seen.add(path)

@@ -391,13 +391,43 @@ def _run_one(name: str, fn, s: Smoke, opts: dict) -> Check:
     return Check(name, True, detail)
 
 
+# What a router answers for a while after its workers came back: sglang-router keeps a
+# worker's circuit open for --cb-timeout-duration-secs (default 60) after failures; a
+# router whose health check has not yet seen a restarted worker answers 502/503 too.
+SETTLING = (502, 503, 504)
+
+
+def settle(s: Smoke, seconds: float, say=print) -> int | None:
+    """Send a one-token generation until the endpoint stops answering "not yet" (connection
+    refused, 502/503/504), for at most `seconds`; returns the last status (None: no
+    answer). Whatever the status then, the checks run and say what they find."""
+    body = {"model": s.model, "max_tokens": 1,
+            "messages": [{"role": "user", "content": "Reply with exactly: READY"}]}
+    deadline, told, status = time.monotonic() + seconds, 0.0, None
+    while True:
+        try:
+            status = s.http("POST", "/v1/chat/completions", body)[0]
+        except (OSError, ValueError):
+            status = None
+        left = deadline - time.monotonic()
+        if (status is not None and status not in SETTLING) or left <= 0:
+            return status
+        if time.monotonic() - told >= 10:
+            told = time.monotonic()
+            say(f"smoke: {s.v1} answers {status or 'nothing'} (a router still settling); "
+                f"asking again for up to {left:.0f}s", file=sys.stderr)
+        time.sleep(min(2.0, max(left, 0)))
+
+
 def run_smoke(base_url: str, model: str, engine: str, *, api_key: str | None = None,
               multimodal: bool = False, image_limit: int | None = None,
               reasoning_parser: bool = True, tool_parser: bool = True, timeout: float = 60,
               only: list[str] | None = None, ready_max_tokens: int = 64,
-              ready_effort: str | None = "low", anthropic: bool | None = None) -> list[Check]:
+              ready_effort: str | None = "low", anthropic: bool | None = None,
+              settle_s: float = 0) -> list[Check]:
     """Run the checks (all, or `only` these) against base_url (with or without /v1).
-    `anthropic`: the endpoint serves /v1/messages (default: SGLang servers do)."""
+    `anthropic`: the endpoint serves /v1/messages (default: SGLang servers do);
+    `settle_s`: first wait up to this long for a router that answers "not yet"."""
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, not {engine!r}")
     s = Smoke(base_url, model, engine, api_key, timeout)
@@ -409,6 +439,8 @@ def run_smoke(base_url: str, model: str, engine: str, *, api_key: str | None = N
     unknown = [n for n in names if n not in CHECKS]
     if unknown:
         raise ValueError(f"unknown checks {unknown}: choose from {list(CHECKS)}")
+    if settle_s > 0:
+        settle(s, settle_s)
     checks: list[Check] = []
     for name in names:
         if checks and "cannot connect" in checks[0].detail:
@@ -458,6 +490,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-reasoning-parser", action="store_true")
     p.add_argument("--no-tool-parser", action="store_true")
     p.add_argument("--timeout", type=float, default=60, help="seconds per request")
+    p.add_argument("--settle", type=float, default=90, help="seconds to wait first while the "
+                   "endpoint answers 502/503/504 or refuses connections (a router that has "
+                   "not yet taken back a restarted worker; sglang-router's circuit breaker "
+                   "waits 60 s); 0: check at once")
     p.add_argument("--only", action="append", choices=list(CHECKS), help="run these checks")
     p.add_argument("--json", action="store_true", help="print the checks as JSON")
     args = p.parse_args(argv)
@@ -488,7 +524,7 @@ def main(argv: list[str] | None = None) -> int:
                          multimodal=args.multimodal, image_limit=args.image_limit,
                          reasoning_parser=not args.no_reasoning_parser,
                          tool_parser=not args.no_tool_parser, timeout=args.timeout,
-                         only=args.only, anthropic=anthropic)
+                         only=args.only, anthropic=anthropic, settle_s=args.settle)
 
     with concurrent.futures.ThreadPoolExecutor(min(len(args.url), 16)) as pool:
         results = dict(zip(args.url, pool.map(one, args.url), strict=True))

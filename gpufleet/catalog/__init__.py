@@ -128,9 +128,28 @@ class Locks(_Strict):
     vendors: list[Literal["nvidia", "amd"]]
 
 
+class Image(_Strict):
+    """A container image the recipes run an engine from."""
+
+    ref: str      # registry/name:tag as the seed names it (docker.io spelled out)
+    source: str   # where the name comes from, and what is known about it
+    # a file of gpufleet/host/ mounted into the engine containers as sitecustomize.py
+    sitecustomize: str | None = None
+
+
+class Runtimes(_Strict):
+    """The engine runtimes: which one a vendor's hosts get unless the operator chooses."""
+
+    default: dict[Literal["nvidia", "amd"], Literal["venv", "image"]]
+    why: dict[Literal["nvidia", "amd"], str]
+
+
 class Engine(_Strict):
     label: str
     venv: str
+    # image runtime: hardware name or vendor -> the image (the hardware name wins)
+    images: dict[str, Image] = Field(default_factory=dict)
+    image_mounts: list[str] = Field(default_factory=list)  # host dirs its containers share
     requirements: list[Requirement] = Field(default_factory=list)
     lock_excludes: dict[str, LockExclude] = Field(default_factory=dict)  # package -> why
     lock_archs: list[str] | None = None  # narrows locks.archs
@@ -237,6 +256,7 @@ class Catalog:
         self.engines = {k: Engine(**v) for k, v in engines["engines"].items()}
         self.managed_kinds = {k: ManagedKind(**v) for k, v in engines["managed_kinds"].items()}
         self.locks = Locks(**engines["locks"])
+        self.runtimes = Runtimes(**engines["runtimes"])
         for name, engine in self.engines.items():
             for program, managed in engine.managed.items():
                 for key, kind in {**managed.args, **managed.env}.items():
@@ -264,6 +284,11 @@ class Catalog:
         archs = e.lock_archs or self.locks.archs
         pythons = e.lock_pythons or list(self.locks.pythons)
         return [(a, py) for a in archs for py in pythons]
+
+    def image(self, engine: str, hardware: str) -> Image | None:
+        """The image an engine runs from on a hardware (its own entry, else its vendor's)."""
+        images = self.engines[engine].images
+        return images.get(hardware) or images.get(self.hardware[hardware].vendor)
 
     def lock_path(self, engine: str, arch: str, python: str) -> str:
         """The lock's path relative to the repository (and gpufleet's package root's parent)."""

@@ -24,6 +24,14 @@ How it works:
 - a manifest (.gpufleet-manifest-<commit>.json next to blobs/) records every verified
   file with size and mtime, so a re-run with --verify fast only stats files.
 
+On each serving host, --check-files (read-only, offline: no token, no lock, no Hub, no
+third-party module) checks that the host sees the fetched checkpoint: the manifest of
+--revision (a commit, or a branch or tag through the ref a complete fetch wrote) is
+complete and every file it lists is in the snapshot with its size, readable by every user.
+It exits 1 when it found a problem; --json prints {"files": N, "problems": [...]}, only.
+
+    cache_fetch.py --check-files --repo zai-org/GLM-5.3-Flash --revision SHA --cache-dir /srv/hf
+
 Exit codes: 0 ok, 1 download or verification failed, 2 usage, 3 token refused or missing
 for a gated repo, 4 repo or revision not found, 5 endpoint unreachable, 6 not enough
 disk space, 7 lock wait timed out.
@@ -123,6 +131,15 @@ def log(msg: str):
     for f in LOG_FILE:
         f.write(f"{now_iso()} {msg}\n")
         f.flush()
+
+
+def read_manifest(path) -> dict:
+    """A manifest's JSON object; OSError or ValueError when it cannot be read."""
+    with open(path) as fh:
+        data = json.load(fh)
+    if not isinstance(data, dict):
+        raise ValueError("not a JSON object")
+    return data
 
 
 def human(n: float) -> str:
@@ -514,7 +531,7 @@ class Fetch:
     # ---- manifest
     def load_manifest(self, sha: str) -> dict:
         try:
-            data = json.loads(self.manifest_path(sha).read_text())
+            data = read_manifest(self.manifest_path(sha))
             return {e["file"]: e for e in data.get("files", [])}
         except (OSError, ValueError, KeyError, TypeError):
             return {}
@@ -524,7 +541,7 @@ class Fetch:
                 "endpoint": self.args.endpoint, "complete": complete,
                 "files": [entries[k] for k in sorted(entries)]}
         try:  # unchanged: leave the file as it is (a re-run touches nothing)
-            old = json.loads(self.manifest_path(sha).read_text())
+            old = read_manifest(self.manifest_path(sha))
             if {k: v for k, v in old.items() if k != "written_at"} == data:
                 return
         except (OSError, ValueError):
@@ -538,6 +555,44 @@ class Fetch:
         entries[f["path"]] = {"file": f["path"], "size": st.st_size, "sha256": digest,
                               "etag": self.etag(f), "mtime": st.st_mtime_ns,
                               "verified_at": now_iso()}
+
+    # ---- what a serving host sees (--check-files)
+    def local_commit(self) -> str:
+        """--revision as a commit: a branch or tag through the ref a complete fetch wrote."""
+        rev = self.args.revision
+        ref = self.repo_dir / "refs" / rev
+        if re.fullmatch(r"[0-9a-f]{40}", rev) or not ref.is_file():
+            return rev
+        return ref.read_text().strip()
+
+    def check_files(self) -> dict:
+        """The manifest is complete and every file it lists is in the snapshot with the
+        manifest's size, readable by other users. Reads 4 KiB of each file; hashes nothing."""
+        sha = self.local_commit()
+        manifest, snapshot = self.manifest_path(sha), self.repo_dir / "snapshots" / sha
+        try:
+            data = read_manifest(manifest)
+        except (OSError, ValueError) as exc:
+            return {"files": 0, "problems": [f"manifest {manifest}: {exc}"]}
+        problems = []
+        if not data.get("complete"):
+            problems.append(f"manifest {manifest} is not complete")
+        files = data.get("files", [])
+        for entry in files:
+            path = snapshot / entry["file"]
+            try:
+                st = path.stat()
+                with open(path, "rb") as fh:
+                    fh.read(4096)
+            except OSError as exc:
+                problems.append(f"{path}: {exc.strerror}")
+                continue
+            if st.st_size != entry["size"]:
+                problems.append(f"{path}: {st.st_size} bytes, manifest says {entry['size']}")
+            elif not st.st_mode & 0o004:
+                problems.append(f"{path}: not readable by other users "
+                                f"(mode {st.st_mode & 0o777:o})")
+        return {"files": len(files), "problems": problems}
 
     # ---- verification of what is on disk
     def check(self, sha: str, f: dict, entries: dict, full: bool) -> bool:
@@ -805,6 +860,9 @@ def parse_args(argv):
     p.add_argument("--access-only", action="store_true",
                    help="only check that the revision exists and is readable with the token "
                    "(reads metadata and one file header; writes nothing)")
+    p.add_argument("--check-files", action="store_true",
+                   help="read-only, offline: check that this host sees the fetched revision "
+                   "(complete manifest; every file there, of its size, readable by all)")
     p.add_argument("--json", action="store_true", help="print a JSON summary on stdout")
     args = p.parse_args(argv)
     args.endpoint = (args.endpoint or os.environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT)
@@ -826,8 +884,24 @@ def read_token(args) -> str | None:
     return os.environ.get("HF_TOKEN", "").strip() or None
 
 
+def check_files(args) -> int:
+    """--check-files; with --json the result is all it prints (Ansible's script module
+    runs it on a terminal, where stderr lands in stdout)."""
+    result = Fetch(args, None).check_files()
+    if args.json:
+        print(json.dumps(result, indent=1))
+    else:
+        for problem in result["problems"]:
+            log(f"problem: {problem}")
+        if not result["problems"]:
+            log(f"{args.repo}@{args.revision}: all {result['files']} files of the manifest seen")
+    return EXIT_FAILED if result["problems"] else EXIT_OK
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.check_files:  # no token, no lock, no Hub
+        return check_files(args)
     try:
         token = read_token(args)
     except FetchError as err:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpufleet.lab import hosts as lab_hosts
+from gpufleet_lab import hosts as lab_hosts
 
 
 @pytest.fixture(scope="session")

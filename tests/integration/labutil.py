@@ -12,7 +12,7 @@ from pathlib import Path
 
 import yaml
 
-from gpufleet.lab import hosts as lab_hosts
+from gpufleet_lab import hosts as lab_hosts
 
 ROOT = Path(__file__).parents[2]
 BIN = Path(sys.executable).parent

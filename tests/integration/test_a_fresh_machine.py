@@ -15,7 +15,7 @@ import shutil
 import pytest
 from labutil import fab, ssh
 
-from gpufleet.lab import hosts as lab_hosts
+from gpufleet_lab import hosts as lab_hosts
 
 pytestmark = pytest.mark.lab
 

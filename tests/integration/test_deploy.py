@@ -16,7 +16,7 @@ import time
 import pytest
 from labutil import changed_tasks, fab, playbook, recap, ssh
 
-from gpufleet.lab import hosts as lab_hosts
+from gpufleet_lab import hosts as lab_hosts
 
 pytestmark = pytest.mark.lab
 

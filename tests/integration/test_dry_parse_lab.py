@@ -3,7 +3,7 @@
 One deployment of h200-pd-1node (so lab1 has its vLLM venv), then:
 - preflight again: the plan's engine command lines go through the installed engine's
   parser on lab1 and pass;
-- the preflight role's dry parse (tasks_from: dry_parse, as the installing role calls it)
+- the common role's dry parse (tasks_from: dry_parse, as the installing role calls it)
   with a decode command line carrying a flag vLLM does not take: refused with vLLM's own
   message naming the flag, the process and the fix, and no file on any host changed.
 """
@@ -15,6 +15,8 @@ import subprocess
 
 import pytest
 from labutil import BIN, ENV, ROOT, digests, fab, playbook, recap
+
+from gpufleet.model import host_slices
 
 pytestmark = pytest.mark.lab
 
@@ -48,10 +50,11 @@ def _ran_on_lab1(output: str) -> bool:
 def _dry_parse(tmp_path, processes: list[dict]) -> subprocess.CompletedProcess:
     plan = _plan()
     (tmp_path / "vars.json").write_text(json.dumps(
-        {"preflight_plan": plan, "preflight_dry_parse_processes": processes}))
+        {"gpufleet_host": host_slices(plan)["lab1"],
+         "common_dry_parse_processes": processes}))
     (tmp_path / "dry_parse.yml").write_text(
         "- hosts: lab1\n  gather_facts: false\n  tasks:\n"
-        "    - ansible.builtin.include_role:\n        name: preflight\n"
+        "    - ansible.builtin.include_role:\n        name: common\n"
         "        tasks_from: dry_parse\n")
     return subprocess.run(
         [str(BIN / "ansible-playbook"), str(tmp_path / "dry_parse.yml"),

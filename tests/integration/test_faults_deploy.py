@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 from labutil import fab, ssh
 
-from gpufleet.lab import hosts as lab_hosts
+from gpufleet_lab import hosts as lab_hosts
 
 pytestmark = pytest.mark.lab
 
@@ -22,7 +22,7 @@ def faulted(_lab_session):
     lab_hosts.up(hosts=2)  # the next test gets a clean lab
 
 
-# The lab's FlashInfer faults are lab lock variants (gpufleet/lab/wheels.py): a site lock
+# The lab's FlashInfer faults are lab lock variants (lab/gpufleet_lab/wheels.py): a site lock
 # with FlashInfer below the floor, or with a flashinfer-cubin companion at another version.
 @pytest.mark.parametrize("fault,found", [
     ("flashinfer-old", "flashinfer-python 0.6.16."),

@@ -20,7 +20,7 @@ import openai
 import pytest
 from labutil import BIN, ENV, ROOT, changed_tasks, digests, fab, recap, ssh
 
-from gpufleet.lab import net
+from gpufleet_lab import net
 
 pytestmark = pytest.mark.lab
 

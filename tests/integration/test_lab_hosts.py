@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gpufleet.lab import hosts as lab_hosts
-from gpufleet.lab import net, services
+from gpufleet_lab import hosts as lab_hosts
+from gpufleet_lab import net, services
 
 pytestmark = pytest.mark.lab
 REPO = Path(__file__).resolve().parents[2]
@@ -79,7 +79,7 @@ def test_hosts_answer_over_ssh_as_root_and_the_login_user(lab):
 
 
 def test_simulated_hardware_files_are_in_the_host(lab):
-    hwsim = pytest.importorskip("gpufleet.lab.hwsim")
+    hwsim = pytest.importorskip("gpufleet_lab.hwsim")
     files = hwsim.render("h200x8", [], "lab1")
     assert files, "hwsim.render returned nothing"
     out = ssh(lab[0]["address"], "stat -c '%n %a' " + " ".join(sorted(files))).stdout

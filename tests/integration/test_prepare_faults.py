@@ -1,7 +1,7 @@
 """Every lab fault fails host preparation in the right role with a named fix, and when
 preflight refuses, no file changed on any host.
 
-Each fault rebuilds the lab (gpufleet.lab.hosts.up with that fault), so this module takes
+Each fault rebuilds the lab (gpufleet_lab.hosts.up with that fault), so this module takes
 minutes and must not run while someone else uses the lab. The lab goes back to two
 fault-free h200x8 hosts at the end.
 """
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 import gpufleet
-from gpufleet.lab import hosts as lab_hosts
+from gpufleet_lab import hosts as lab_hosts
 
 pytestmark = pytest.mark.lab
 ROOT = Path(gpufleet.__file__).resolve().parents[1]

@@ -13,7 +13,7 @@ import json
 import pytest
 from labutil import playbook, recap, ssh
 
-from gpufleet.lab import hosts as lab_hosts
+from gpufleet_lab import hosts as lab_hosts
 
 pytestmark = pytest.mark.lab
 
@@ -44,11 +44,13 @@ def test_prepare_converges_and_reruns_unchanged(profile_lab):
 
 def test_amd_host_is_refused_the_package_runtime(_lab_session):
     """No ROCm build of SGLang is installable from the package index (the plan has no lock
-    for AMD hosts): the deploy stops with the image runtime as the fix, and no venv is made."""
+    for AMD hosts): asked for the venv runtime, the deploy stops with the image runtime as
+    the fix, and no venv is made."""
     lab_hosts.up(hosts=2, profiles=["mi355x8"])
     try:
         run = playbook("-i", "inventories/lab", "playbooks/preflight.yml",
-                       "playbooks/prepare.yml", "-e", "gpufleet_target=sglang-mi355x-low-latency")
+                       "playbooks/prepare.yml", "-e", "gpufleet_target=sglang-mi355x-low-latency",
+                       "-e", "gpufleet_runtime=venv")
         said = " ".join(run.stdout.split())
         assert run.returncode != 0, run.stdout[-4000:]
         # the planner refuses it up front; the engine_runtime role would refuse it too
@@ -65,19 +67,20 @@ FABRIC_PLAY = """
   hosts: lab1:lab2
   become: true
   gather_facts: false
+  vars:
+    gpufleet_host: "{{ fabric_plan[inventory_hostname] }}"
   roles:
     - role: fabric_manager
-      vars: {fabric_manager_plan: "{{ fabric_plan }}"}
     - role: health
-      vars: {health_plan: "{{ fabric_plan }}"}
 """
 
 
 def _fabric_plan(counts):
-    return {"target": "fabric", "model": {"served_name": "none"}, "processes": [],
-            "hosts": {h: {"fabric_manager": True, "nvlsm": False,
-                          "gpu": {"vendor": "nvidia", "count": n, "used": list(range(n))}}
-                      for h, n in counts.items()}}
+    """Each host's slice of such a plan (gpufleet_host)."""
+    return {h: {"name": h, "target": "fabric", "model": {"served_name": "none"},
+                "processes": [], "fabric_manager": True, "nvlsm": False,
+                "gpu": {"vendor": "nvidia", "count": n, "used": list(range(n))}}
+            for h, n in counts.items()}
 
 
 def test_vm_fabric_needs_no_fabric_manager_hgx_still_runs_one(_lab_session, tmp_path):

@@ -42,8 +42,9 @@ import pytest
 from labutil import BIN, ENV, ROOT, recap
 from labutil import ssh as lab_ssh
 
-from gpufleet.lab import hosts as lab_hosts
-from gpufleet.lab import services
+from gpufleet.model import host_slices
+from gpufleet_lab import hosts as lab_hosts
+from gpufleet_lab import services
 
 pytestmark = [pytest.mark.lab, pytest.mark.slow]
 
@@ -234,7 +235,7 @@ def _host_dry_parse(processes: list[dict]) -> tuple[int, dict, str]:
 def test_the_roles_dry_parse_ran_with_real_vllm(installed, stats):
     out = installed.stdout
     after_install = "Engine runtime | Install | pip install exactly the lock"
-    block = _block(out, "Preflight | Dry parse | Each engine command line through the "
+    block = _block(out, "Common | Dry parse | Each engine command line through the "
                         "installed engine's parser", after_install)
     assert f"ok: [{HOST}]" in block, block
 
@@ -255,11 +256,11 @@ def test_real_vllm_refuses_a_wrong_flag_in_its_own_words(installed, tmp_path, st
     decode = next(p for p in _engine_processes(plan) if p["name"] == "decode")
     bad = {**decode, "argv": decode["argv"] + ["--max-num-sequences", "8"]}
     (tmp_path / "vars.json").write_text(json.dumps(
-        {"preflight_plan": plan, "preflight_dry_parse_processes": [bad],
-         "preflight_dry_parse_report": False}))
+        {"gpufleet_host": host_slices(plan)[HOST], "common_dry_parse_processes": [bad],
+         "common_dry_parse_report": False}))
     (tmp_path / "dry_parse.yml").write_text(
         f"- hosts: {HOST}\n  gather_facts: false\n  tasks:\n"
-        "    - ansible.builtin.include_role:\n        name: preflight\n"
+        "    - ansible.builtin.include_role:\n        name: common\n"
         "        tasks_from: dry_parse\n")
     proc = subprocess.run(
         [str(BIN / "ansible-playbook"), "-i", "inventories/lab", str(tmp_path / "dry_parse.yml"),

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from gpufleet.lab.hfmirror import Cut, MirrorServer
+from gpufleet_lab.hfmirror import Cut, MirrorServer
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "gpufleet" / "host" / "cache_fetch.py"
@@ -488,3 +488,78 @@ def test_stream_hash_gives_nothing_when_it_followed_another_file(tmp_path):
     # (the caller hashes the final file itself)
     digest, _ = _follow(tmp_path, [b"a" * 1000, "swap", b"b" * 1000, b"c" * 1000])
     assert digest is None
+
+
+# ---- --check-files: what each serving host sees of the shared cache (roles/cache verify)
+
+
+def check_files(cache, revision, repo=FLASH, json_out=True):
+    """The read-only check with the Hub's environment pointing nowhere: it needs no Hub.
+    With --json it prints the result and nothing else, on stderr neither."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+    env["HF_ENDPOINT"] = "http://127.0.0.1:9"
+    res = subprocess.run([sys.executable, "-I", str(SCRIPT), "--check-files", "--repo", repo,
+                          "--revision", revision, "--cache-dir", str(cache)]
+                         + (["--json"] if json_out else []),
+                         capture_output=True, text=True, env=env, timeout=60)
+    if not json_out:
+        return res.returncode, res.stderr
+    assert res.stderr == ""
+    return res.returncode, json.loads(res.stdout), res.stderr
+
+
+@pytest.fixture
+def fetched(mirror, tmp_path):
+    """A complete fetch of FLASH: (its snapshot, its manifest)."""
+    code, summary, out = run(mirror, tmp_path)
+    assert code == 0, out
+    mirror.stats.reset()
+    return Path(summary["snapshot"]), Path(summary["manifest"])
+
+
+def test_check_files_passes_a_complete_fetch_by_commit_or_branch(mirror, tmp_path, fetched):
+    sha = mirror.repos[FLASH].sha
+    for revision in (sha, "main"):
+        code, result, _ = check_files(tmp_path, revision)
+        assert (code, result) == (0, {"files": len(expected(mirror, FLASH)), "problems": []})
+    assert check_files(tmp_path, sha, json_out=False) == (
+        0, f"cache_fetch: {FLASH}@{sha}: all {len(expected(mirror, FLASH))} files of the "
+           "manifest seen\n")
+    assert mirror.stats.snapshot()["requests"] == {}
+
+
+def test_check_files_names_an_incomplete_manifest(mirror, tmp_path, fetched):
+    _, manifest = fetched
+    data = json.loads(manifest.read_text())
+    data["complete"] = False
+    manifest.write_text(json.dumps(data))
+    code, result, _ = check_files(tmp_path, mirror.repos[FLASH].sha)
+    assert (code, result["problems"]) == (1, [f"manifest {manifest} is not complete"])
+    assert check_files(tmp_path, mirror.repos[FLASH].sha, json_out=False) == (
+        1, f"cache_fetch: problem: manifest {manifest} is not complete\n")
+
+
+def test_check_files_names_a_file_of_the_wrong_size_a_missing_one_and_an_unreadable_one(
+        mirror, tmp_path, fetched):
+    snap, _ = fetched
+    grown, gone, private = ("model-00001-of-00003.safetensors",
+                            "model-00002-of-00003.safetensors", "config.json")
+    size = (snap / grown).stat().st_size
+    with open(snap / grown, "ab") as fh:
+        fh.write(b"x")
+    (snap / gone).unlink()
+    os.chmod(os.path.realpath(snap / private), 0o600)
+    code, result, _ = check_files(tmp_path, mirror.repos[FLASH].sha)
+    assert code == 1 and result["files"] == len(expected(mirror, FLASH))
+    assert sorted(result["problems"]) == sorted([
+        f"{snap / grown}: {size + 1} bytes, manifest says {size}",
+        f"{snap / gone}: No such file or directory",
+        f"{snap / private}: not readable by other users (mode 600)"])
+
+
+def test_check_files_names_a_missing_manifest(mirror, tmp_path, fetched):
+    _, manifest = fetched
+    manifest.unlink()
+    code, result, _ = check_files(tmp_path, mirror.repos[FLASH].sha)
+    assert (code, result) == (1, {"files": 0, "problems": [
+        f"manifest {manifest}: [Errno 2] No such file or directory: '{manifest}'"]})

@@ -20,9 +20,9 @@ REPO = Path(__file__).resolve().parents[2]
 PLAYBOOK = REPO / ".venv" / "bin" / "ansible-playbook"
 PLAY = [{
     "hosts": "localhost", "connection": "local", "gather_facts": False,
-    "vars": {"cache_plan": {"hosts": {"localhost": {}},
-                            "cache": {"path": "/tmp/gpufleet-cache-role-test",
-                                      "models": [{"repo": "zai-org/GLM-5.3-Flash"}]}}},
+    "vars": {"gpufleet_host": {"name": "localhost", "plan_hosts": ["localhost"],
+                               "checkpoint": {"path": "/tmp/gpufleet-cache-role-test",
+                                              "models": [{"repo": "zai-org/GLM-5.3-Flash"}]}}},
     "tasks": [{"ansible.builtin.include_role": {"name": "cache", "tasks_from": "preflight.yml"}},
               {"ansible.builtin.debug": {"msg": "hub={{ __cache_hf_hub_version }}"}}],
 }]

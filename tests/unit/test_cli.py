@@ -89,9 +89,14 @@ def test_sample_inventories_plan_their_target(name, target, hosts):
     assert set(plan["hosts"]) == hosts
 
 
-def test_the_amd_sample_inventory_is_refused_with_why_and_what_instead():
-    """PyPI's SGLang wheels are CUDA builds and the image runtime is not there yet."""
-    proc = fab("plan", "-i", "inventories/mi355x", check=False)
+def test_the_amd_sample_inventory_runs_from_the_rocm_image_and_venv_is_refused():
+    """PyPI's SGLang wheels are CUDA builds: AMD hosts default to the image runtime, and
+    asking for the venv runtime there is refused with why and what instead."""
+    plan = json.loads(fab("plan", "-i", "inventories/mi355x", "--format", "json").stdout)
+    engine = plan["hosts"]["mi355x-node1"]["engine"]
+    assert (engine["runtime"], engine["image"], engine["lock"]) == (
+        "image", "docker.io/lmsysorg/sglang:v0.5.23-rocm720-mi35x", None)
+    proc = fab("plan", "-i", "inventories/mi355x", "--runtime", "venv", check=False)
     assert proc.returncode == 2, proc.stdout
     assert "nothing was changed" in proc.stderr
     assert ("no ROCm build of sglang 0.5.23 is on the package index (https://pypi.org/simple); "
@@ -149,3 +154,15 @@ def test_an_unknown_name_still_gets_the_nearest_names():
     assert proc.returncode == 2
     assert "unknown target 'sglang-h200-balanced-nvfp'" in proc.stderr
     assert "did you mean" in proc.stderr and "sglang-b200-balanced-nvfp4" in proc.stderr
+
+
+def test_the_image_runtime_is_planned_but_no_host_is_touched_for_it_yet():
+    env = {**os.environ, "ANSIBLE_CONFIG": str(ROOT / "ansible.cfg")}
+    proc = subprocess.run(
+        [str(Path(sys.executable).with_name("ansible-playbook")), "-i", "inventories/mi355x",
+         "site.yml"], cwd=ROOT, capture_output=True, text=True, env=env, check=False)
+    assert proc.returncode != 0
+    text = " ".join(proc.stdout.split())
+    assert "mi355x-node1: the plan runs the engine from an image" in text
+    assert "Fix: set gpufleet_runtime: venv" in text
+    assert "mi355x-node1" not in proc.stdout.split("PLAY RECAP")[-1]

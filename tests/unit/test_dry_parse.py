@@ -44,14 +44,14 @@ def standins(tmp_path_factory) -> Path:
         pytest.skip("the stand-in engines need Python 3.9 (their wheels say so)")
     root = tmp_path_factory.mktemp("standins")
     spec = importlib.util.spec_from_file_location(
-        "standins_build", REPO / "scripts" / "lab" / "standins" / "build.py")
+        "standins_build", REPO / "lab" / "standins" / "build.py")
     build = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(build)
     site = root / "site"
     for wheel in build.build(root / "wheels"):
         if wheel.name.startswith(("vllm-", "sglang-")):
             zipfile.ZipFile(wheel).extractall(site)
-    sys.path.insert(0, str(REPO / "scripts" / "lab" / "dynamo"))
+    sys.path.insert(0, str(REPO / "lab" / "dynamo"))
     try:
         import build as dynamo_build
     finally:
@@ -220,6 +220,49 @@ def test_missing_engine_is_reported_not_crashed(tmp_path):
     rc, out, _ = run(tmp_path, {"argv": ["python3", "-m", "sglang.launch_server"]})
     assert rc == 1 and out["error"].startswith("could not load sglang (not installed)'s parser")
     assert "ModuleNotFoundError" in out["error"]
+
+
+def test_the_memo_answers_the_same_input_without_loading_the_engine(standins, tmp_path):
+    memo = tmp_path / "memo.json"
+    good = {"argv": ["vllm", "serve", "m", "--max-num-seqs", "8"]}
+    rc, out, _ = run(standins, good, "--memo", str(memo), "--memo-key", "p1")
+    assert rc == 0 and out["ok"], out
+    assert oct(memo.stat().st_mode & 0o777) == "0o600"
+    # the memo is what answers now: make it say something the engine never would
+    saved = json.loads(memo.read_text())
+    memo.write_text(json.dumps({**saved, "rc": 1, "answer": '{"ok": false, "error": "memo"}\n'}))
+    rc, out, _ = run(standins, good, "--memo", str(memo), "--memo-key", "p1")
+    assert (rc, out["error"]) == (1, "memo")
+    # a refusal is not remembered (the operator is about to fix it)
+    bad = {"argv": good["argv"] + ["--max-num-seq", "8"]}
+    memo.unlink()
+    rc, out, _ = run(standins, bad, "--memo", str(memo), "--memo-key", "p1")
+    assert rc == 1 and not memo.exists()
+    rc, out, _ = run(standins, good, "--memo", str(memo), "--memo-key", "p1")
+    # another input, or another program (key), asks the engine again
+    rc, out, _ = run(standins, {**good, "argv": good["argv"] + ["--seed", "1"]},
+                     "--memo", str(memo), "--memo-key", "p1")
+    assert rc == 0 and out["ok"], out
+    rc, out, _ = run(standins, good, "--memo", str(memo), "--memo-key", "p2")
+    assert rc == 0 and out["ok"], out
+
+
+def test_a_read_only_memo_answers_but_is_never_written(standins, tmp_path):
+    memo = tmp_path / "memo.json"
+    good = {"argv": ["vllm", "serve", "m", "--max-num-seqs", "8"]}
+    rc, out, _ = run(standins, good, "--memo", str(memo), "--memo-key", "p1", "--memo-read-only")
+    assert rc == 0 and out["ok"], out
+    assert not memo.exists()
+    run(standins, good, "--memo", str(memo), "--memo-key", "p1")
+    saved = json.loads(memo.read_text())
+    memo.write_text(json.dumps({**saved, "rc": 1, "answer": '{"ok": false, "error": "memo"}\n'}))
+    before = memo.stat().st_mtime_ns
+    rc, out, _ = run(standins, good, "--memo", str(memo), "--memo-key", "p1", "--memo-read-only")
+    assert (rc, out["error"]) == (1, "memo")
+    rc, out, _ = run(standins, {**good, "argv": good["argv"] + ["--seed", "1"]},
+                     "--memo", str(memo), "--memo-key", "p1", "--memo-read-only")
+    assert rc == 0 and out["ok"], out
+    assert memo.stat().st_mtime_ns == before
 
 
 @pytest.mark.parametrize("data", ["not json", {"argv": []}, [{"argv": "vllm serve"}],

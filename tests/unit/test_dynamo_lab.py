@@ -1,6 +1,6 @@
 """Dynamo 1.6.1 in the lab: the real frontend, the lab's ``dynamo.vllm`` worker.
 
-The session fixture downloads the pinned wheels once (scripts/lab/dynamo/fetch_wheels.sh),
+The session fixture downloads the pinned wheels once (lab/dynamo/fetch_wheels.sh),
 builds the lab's ai-dynamo wheel (build.py) and installs both into a venv cached under
 /var/cache/gpufleet-lab/dynamo/ keyed by the hash of every input, the way a lab host
 installs from the lab's wheel source (``pip install --no-index --find-links``).
@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-LAB = REPO / "scripts" / "lab" / "dynamo"
+LAB = REPO / "lab" / "dynamo"
 sys.path.insert(0, str(LAB))
 import build  # noqa: E402
 
@@ -93,7 +93,7 @@ def hf_cache(tmp_path_factory) -> Path:
     """An HF hub cache holding MODEL@main, downloaded from the lab's mirror."""
     from huggingface_hub import snapshot_download
 
-    from gpufleet.lab.hfmirror import MirrorServer
+    from gpufleet_lab.hfmirror import MirrorServer
 
     cache = tmp_path_factory.mktemp("hub")
     with MirrorServer(port=0, log_stream=io.StringIO()) as mirror:

@@ -290,7 +290,7 @@ def test_device_capture_from_the_real_h200():
 )
 def test_ansible_module_against_simulated_h200(tmp_path):
     """`ansible localhost -m gpu_facts` with the lab's nvidia-smi first on PATH, in check mode."""
-    from gpufleet.lab import hwsim
+    from gpufleet_lab import hwsim
 
     for path, (content, mode) in hwsim.render("h200x8", [], "lab1").items():
         dest = tmp_path / path.lstrip("/")

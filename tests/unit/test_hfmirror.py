@@ -27,7 +27,7 @@ from huggingface_hub.errors import (
 )
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from gpufleet.lab.hfmirror import Cut, MirrorServer, git_blob_sha1
+from gpufleet_lab.hfmirror import Cut, MirrorServer, git_blob_sha1
 
 FLASH = "zai-org/GLM-5.3-Flash"
 GATED = "zai-org/GLM-5.3-BF16"
@@ -425,8 +425,9 @@ def test_gated_repo_and_tokens(mirror, log, tmp_path):
 
 def test_cli_serves_and_never_logs_tokens(tmp_path):
     proc = subprocess.Popen(
-        [sys.executable, "-m", "gpufleet.lab.hfmirror", "--port", "0"]
+        [sys.executable, "-m", "gpufleet_lab.hfmirror", "--port", "0"]
         + ["--gated", f"{GATED}={TOKEN}", "--repo", GATED, "--shard-mib", "0.25"],
+        cwd=Path(__file__).resolve().parents[2] / "lab",  # where gpufleet_lab is
         stderr=subprocess.PIPE,
         text=True,
     )

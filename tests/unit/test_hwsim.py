@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from gpufleet.lab import hwsim
 from gpufleet.module_utils import gpu_facts as gf
+from gpufleet_lab import hwsim
 
 REAL_XML = Path(__file__).resolve().parents[1] / "fixtures/hardware/h200-1gpu/nvidia-smi-q.xml"
 REAL_VM = Path(__file__).resolve().parents[1] / "fixtures/hardware/h200x2"

@@ -2,8 +2,8 @@
 hosts the planner accepts (gpufleet_hardware)."""
 
 from gpufleet import catalog
-from gpufleet.lab import hwsim
-from gpufleet.lab.hosts import hardware_of
+from gpufleet_lab import hwsim
+from gpufleet_lab.hosts import hardware_of
 
 
 def test_every_profile_maps_to_its_catalog_hardware():

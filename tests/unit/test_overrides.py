@@ -77,7 +77,7 @@ def test_the_way_the_port_refusal_names_reaches_every_consumer():
     assert decode[decode.index("--port") + 1] == "8003"
     router = argv(plan, "router")
     assert router[router.index("--decode") + 1] == "http://127.0.0.1:8003"
-    assert 8003 in plan.hosts["workers-1"]["ports"]
+    assert 8003 in plan.hosts["workers-1"].ports
 
 
 # ------------------------------------------------------------------------ managed flags

@@ -30,7 +30,7 @@ def with_python(groups: dict[str, int], python) -> inventory.Inventory:
 ])
 def test_default_python_picks_the_lock_for_the_hardware_arch(target, lock):
     plan = make_plan(target)
-    for host in plan.hosts.values():
+    for host in plan.to_json()["hosts"].values():
         engine = host["engine"]
         assert engine["python"] == "3.12"
         assert engine["lock"] == f"gpufleet/catalog/locks/{lock}"
@@ -41,7 +41,7 @@ def test_default_python_picks_the_lock_for_the_hardware_arch(target, lock):
 
 def test_inventory_python_picks_its_lock():
     plan = make_plan("h200-pd-1node", with_python({"workers": 1}, "3.11"))
-    engine = plan.hosts["workers-1"]["engine"]
+    engine = plan.to_json()["hosts"]["workers-1"]["engine"]
     assert engine["python"] == "3.11"
     assert engine["lock"].endswith("/vllm-x86_64-py311.txt")
 
@@ -58,12 +58,13 @@ def test_host_python_without_a_lock_is_refused(python):
 
 
 def test_amd_hosts_have_no_cuda_lock_and_say_so(monkeypatch):
+    venv = {"runtime": "venv"}
     with pytest.raises(PlanError, match="no ROCm build of sglang 0.5.23"):
-        make_plan("sglang-mi355x-low-latency")  # refused whole: test_rules
+        make_plan("sglang-mi355x-low-latency", overrides=venv)  # refused whole: test_rules
     monkeypatch.setattr(rules, "RULES",
                         [r for r in rules.RULES if r is not rules.venv_runtime_needs_nvidia])
-    plan = make_plan("sglang-mi355x-low-latency")
-    assert all(h["engine"]["lock"] is None for h in plan.hosts.values())
+    plan = make_plan("sglang-mi355x-low-latency", overrides=venv)
+    assert all(h["engine"]["lock"] is None for h in plan.to_json()["hosts"].values())
     assert any("CUDA builds" in w and "MI355X" in w for w in plan.warnings)
 
 

@@ -22,7 +22,7 @@ DEVICE = Path(__file__).parents[1] / "fixtures" / "hardware" / "h200-device"
 def req(target: str, role: str = "prefill") -> dict:
     plan = make_plan(target)
     (proc,) = plan.by_role(role)
-    return plan.hosts[proc.host]
+    return plan.to_json()["hosts"][proc.host]
 
 
 def problems_for(host, target, profile, *faults, role="prefill", free=10_000.0):  # noqa: F811

@@ -56,7 +56,7 @@ CASES = {
     # a cell 004 leaves out: the refusal's reason is this rule's message
     "nvfp4_needs_blackwell": ("sglang-h200-low-latency-nvfp4", {}, "Blackwell"),
     "venv_runtime_needs_nvidia": (
-        "sglang-mi355x-low-latency", {},
+        "sglang-mi355x-low-latency", {"runtime": "venv"},
         "no ROCm build of sglang 0.5.23 is on the package index (https://pypi.org/simple); the "
         "venv runtime would install CUDA wheels on an AMD host (AMD Instinct MI355X"),
 }
@@ -271,18 +271,21 @@ def test_the_real_locks_install_flashinfer_at_or_above_the_floor(engine):
     for arch, python in c.lock_combos(engine):
         path = c.lock_path(engine, arch, python)
         plan = SimpleNamespace(engine=c.engines[engine], target=SimpleNamespace(engine=engine),
-                               model=None, hosts={"h": {"engine": {"lock": path}}})
+                               model=None,
+                               hosts={"h": SimpleNamespace(engine=SimpleNamespace(lock=path))})
         assert rules.flashinfer_at_floor(plan, c) == [], path
 
 
-def test_an_amd_target_is_refused_before_any_host_even_as_a_plan():
-    """No runtime installs an engine on AMD yet: the plan (which every fab task and
-    playbook computes first) refuses, so no host is touched."""
+def test_the_venv_runtime_on_amd_is_refused_before_any_host_even_as_a_plan():
+    """No lock installs an engine on AMD: the plan (which every fab task and playbook
+    computes first) refuses the venv runtime there, so no host is touched."""
     with pytest.raises(PlanError) as err:
-        make_plan("sglang-mi300x-balanced")
+        make_plan("sglang-mi300x-balanced", overrides={"runtime": "venv"})
     (problem,) = err.value.problems
     assert problem.field == "engine.runtime"
     assert "no ROCm build of sglang 0.5.23" in problem.message
     assert "CUDA wheels on an AMD host (AMD Instinct MI300X: workers-1)" in problem.message
-    assert "ROCm container image (the image runtime" in problem.fix
-    assert "does not have yet" in problem.fix
+    assert "gpufleet_runtime: image" in problem.fix
+    assert make_plan("sglang-mi300x-balanced").hosts["workers-1"].engine.runtime == "image"
+
+

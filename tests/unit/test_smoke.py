@@ -310,3 +310,54 @@ def test_options_from_plan():
                     "multimodal": True, "image_limit": 1, "anthropic": False}
     with pytest.raises(ValueError, match="engine must be one of"):
         smoke.run_smoke("http://x/v1", FLASH, "tgi")
+
+
+class _Settling:
+    """An endpoint that answers 503 (a router with its worker's circuit open) `n` times."""
+
+    def __init__(self, n: int):
+        import http.server
+        import threading
+        outer = self
+        self.n, self.seen = n, 0
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self):  # noqa: N802 (http.server's name)
+                self.rfile.read(int(self.headers["Content-Length"]))
+                outer.seen += 1
+                code = 503 if outer.seen <= outer.n else 200
+                self.send_response(code)
+                self.send_header("Content-Length", "2")
+                self.end_headers()
+                self.wfile.write(b"{}")
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+
+
+@pytest.mark.parametrize("n, within, status", [(2, 30, 200), (1000, 3, 503), (0, 30, 200)])
+def test_settle_waits_while_the_router_says_not_yet(n, within, status):
+    end = _Settling(n)
+    said = []
+    s = smoke.Smoke(end.url, "m", "sglang", None, timeout=5)
+    t0 = time.monotonic()
+    try:
+        assert smoke.settle(s, within, say=lambda *a, **k: said.append(a[0])) == status
+    finally:
+        end.server.shutdown()
+    took = time.monotonic() - t0
+    if n < 1000:
+        assert end.seen == n + 1 and took < 2 * n + 2
+    else:  # gives up at the deadline and says so; the checks then report the 503
+        assert within <= took < within + 3 and "answers 503" in said[0]
+
+
+def test_settle_rides_through_a_refused_connection():
+    s = smoke.Smoke(f"http://127.0.0.1:{base.free_port()}/v1", "m", "vllm", None, timeout=1)
+    t0 = time.monotonic()
+    assert smoke.settle(s, 1, say=lambda *a, **k: None) is None
+    assert time.monotonic() - t0 >= 1

@@ -32,7 +32,7 @@ _VENVS: dict = {}
 
 def _build_module():
     spec = importlib.util.spec_from_file_location(
-        "standins_build", REPO / "scripts" / "lab" / "standins" / "build.py")
+        "standins_build", REPO / "lab" / "standins" / "build.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

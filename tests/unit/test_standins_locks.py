@@ -19,7 +19,7 @@ from packaging.version import Version
 
 from gpufleet import catalog
 from gpufleet.catalog import lockfile
-from gpufleet.lab import wheels
+from gpufleet_lab import wheels
 
 DYNAMO_METADATA = ("Metadata-Version: 2.1\nName: ai-dynamo\nVersion: 1.6.1\n"
                    "Requires-Dist: aisimulate==0.13.0\nRequires-Dist: aiohttp\n")

@@ -1,8 +1,15 @@
-"""Filters gpufleet's templates use: argv and environment in systemd's own syntax."""
+"""Filters gpufleet's plays use: argv and environment in systemd's own syntax, the host
+own files' paths, and each host's slice of the plan."""
 
 from __future__ import annotations
 
 import re
+from pathlib import Path
+
+from gpufleet.model import host_slices
+
+# gpufleet's own files (host programs, locks): paths relative to the repository root
+ROOT = Path(__file__).resolve().parents[3]
 
 _SAFE = re.compile(r"^[A-Za-z0-9_@%+=:,./-]+$")
 
@@ -30,9 +37,20 @@ def env_file_line(key: str, value: object) -> str:
     return f'{key}="{text}"'
 
 
+def own_file(relative: str) -> str:
+    """The controller's path of one of gpufleet's own files (a host program, a lock), from
+    its path in the repository: roles name them so, never by climbing out of role_path."""
+    path = ROOT / relative
+    if not path.is_file():
+        raise ValueError(f"gpufleet has no file {relative} (looked in {ROOT})")
+    return str(path)
+
+
 class FilterModule:
     def filters(self):
         return {
             "gpufleet_systemd_argv": systemd_argv,
             "gpufleet_env_line": env_file_line,
+            "gpufleet_file": own_file,
+            "gpufleet_host_slices": host_slices,
         }

@@ -52,6 +52,10 @@ options:
     description: Where NVSwitch PCI functions (vendor 0x10de, class 0x0680) are looked for.
     type: path
     default: /sys/bus/pci/devices
+  apt_lists:
+    description: The pattern of apt's package lists (counted for C(gpufleet_machine)).
+    type: str
+    default: /var/lib/apt/lists/*_Packages*
 attributes:
   check_mode:
     support: full
@@ -84,6 +88,11 @@ ansible_facts:
   returned: always
   type: complex
   contains:
+    gpufleet_machine:
+      description:
+        - C(cpu_arch) (uname -m) and C(apt_package_lists) (how many package lists apt has;
+          0 on a fresh image that cleaned them).
+      type: dict
     gpufleet_gpu:
       description:
         - GPU facts. Keys are always present; unknown values are null.
@@ -137,7 +146,9 @@ ansible_facts:
         peermem_loaded: false
 """
 
-import os  # noqa: E402 (Ansible modules keep DOCUMENTATION first)
+import glob  # noqa: E402 (Ansible modules keep DOCUMENTATION first)
+import os  # noqa: E402
+import platform  # noqa: E402
 
 from ansible.module_utils.basic import AnsibleModule  # noqa: E402
 from ansible.module_utils.gpu_facts import find_nvswitches, gpu_facts, ib_facts  # noqa: E402
@@ -235,11 +246,18 @@ def main():
             "rocm_version_file": {"type": "path", "default": "/opt/rocm/.info/version"},
             "dev_dir": {"type": "path", "default": "/dev"},
             "pci_devices_dir": {"type": "path", "default": "/sys/bus/pci/devices"},
+            "apt_lists": {"type": "str", "default": "/var/lib/apt/lists/*_Packages*"},
         },
         supports_check_mode=True,
     )
     gpu, ib = gather(module)
-    module.exit_json(changed=False, ansible_facts={"gpufleet_gpu": gpu, "gpufleet_ib": ib})
+    # the rest of what preflight needs from the host, in the same round trip: the CPU
+    # architecture as `uname -m` says it (as every tool on the host sees it)
+    uname = Probe(module).run("uname", "-m")
+    machine = {"cpu_arch": uname.strip() if uname else platform.machine(),
+               "apt_package_lists": len(glob.glob(module.params["apt_lists"]))}
+    module.exit_json(changed=False, ansible_facts={"gpufleet_gpu": gpu, "gpufleet_ib": ib,
+                                                   "gpufleet_machine": machine})
 
 
 if __name__ == "__main__":

@@ -1,0 +1,259 @@
+"""The plan model: the one shape the planner fills, the rules read and Ansible receives.
+
+Every fact that more than one place needs about a process (is it an engine, does it
+read the host's UCX file, does it run from the engine venv) is a property here, and
+goes into the JSON with the process, so no role derives it from a list of role names.
+
+The JSON the Ansible side reads is `Plan.to_json()` (the whole plan, on the controller)
+and `host_slices(plan_json)[name]` (one host's part, given to each host as `gpufleet_host` by
+playbooks/plan.yml); docs/plan.md documents both and tests/unit/test_plan_schema.py
+fails when a role reads a key these do not produce.
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from . import catalog as cat
+
+ENGINE_ROLES = ("worker", "prefill", "decode")
+START_ORDER = {"etcd": 0, "worker": 1, "prefill": 1, "decode": 1, "router": 2, "gateway": 3}
+# roles whose program comes from a catalog entry of their own, not the target's engine
+OWN_PROGRAM = ("etcd", "gateway")
+DEFAULT_CACHE_DIR = "/var/cache/gpufleet/hf"
+# Fit check: weights may take at most this share of the memory an engine may use;
+# the rest is KV cache, activations and CUDA graphs.
+WEIGHT_SHARE = 0.85
+DEFAULT_MEM_FRACTION = {"vllm": 0.9, "dynamo": 0.9, "sglang": 0.8}
+
+
+@dataclass
+class Problem:
+    field: str
+    message: str
+    fix: str
+
+    def __str__(self) -> str:
+        return f"{self.field}: {self.message}. Fix: {self.fix}"
+
+
+class PlanError(Exception):
+    def __init__(self, problems: list[Problem]):
+        self.problems = problems
+        super().__init__("\n".join(f"- {p}" for p in problems))
+
+
+class Overrides(BaseModel):
+    """What an operator may change on top of a target (CLI --with/--set, inventory vars)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    options: list[str] = Field(default_factory=list)
+    # role (or `engines`) -> flag -> value; None drops the flag
+    args: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    env: dict[str, dict[str, str | None]] = Field(default_factory=dict)
+    ports: dict[str, dict[str, int]] = Field(default_factory=dict)
+    gpus: dict[str, list[int]] = Field(default_factory=dict)  # role -> GPU indices
+    model_revision: str | None = None
+    cache_dir: str = DEFAULT_CACHE_DIR
+    hf_endpoint: str | None = None
+    # the endpoint requires an API key (checked by the gateway in front of the router)
+    api_key: bool = True
+    api_key_file: str | None = None  # on the controller; default: see plan.api_key_path()
+    # a single-node target on every host of its group: one independent copy per host
+    replicas: bool = False
+    # the engine runtime (None: the hosts' vendor decides, catalog `runtimes`), the image
+    # each engine runs from instead of the catalog's (engine -> reference), and a registry
+    # that serves every image in place of its own (an air-gapped site's mirror)
+    runtime: Literal["venv", "image"] | None = None
+    images: dict[str, str] = Field(default_factory=dict)
+    registry_mirror: str | None = None
+
+
+@dataclass
+class Process:
+    name: str
+    role: str
+    host: str
+    address: str
+    argv: list[str]
+    env: dict[str, str]
+    unit: str
+    ports: dict[str, int]
+    gpus: list[int]
+    order: int
+    readiness: dict
+    node_rank: int = 0
+    bind: str = "0.0.0.0"  # address the process listens on (plan._bind)
+    args: dict[str, Any] = field(default_factory=dict, repr=False)
+    # image runtime: what the container gets (plan._container); None: runs from the venv
+    container: dict | None = None
+
+    @property
+    def is_engine(self) -> bool:
+        """An inference engine (worker, prefill or decode): GPUs, KV, the checkpoint."""
+        return self.role in ENGINE_ROLES
+
+    @property
+    def reads_ucx(self) -> bool:
+        """Reads the host's UCX file (the KV transfer runs in the engines only)."""
+        return self.is_engine
+
+    @property
+    def engine_venv(self) -> bool:
+        """Runs the engine's programs (engines and the engine's router), from the engine
+        venv or the engine image: a change of either restarts exactly these."""
+        return self.role not in OWN_PROGRAM
+
+    @property
+    def command(self) -> str:
+        return shlex.join(self.argv)
+
+    def to_json(self) -> dict:
+        out = asdict(self)
+        for private in ("args", "address", "bind"):
+            out.pop(private)
+        out.update(is_engine=self.is_engine, reads_ucx=self.reads_ucx,
+                   engine_venv=self.engine_venv)
+        return out
+
+
+@dataclass
+class EngineReq:
+    name: str
+    venv: str
+    runtime: str = "venv"  # venv | image
+    python: str | None = None
+    lock: str | None = None  # repository-relative path of the lock (scripts/lock)
+    glibc_floor: str | None = None
+    image: str | None = None  # image runtime: the reference the host pulls and runs
+    registry_mirror: str | None = None
+
+
+@dataclass
+class GpuReq:
+    vendor: str
+    product: str
+    arch: str
+    count: int
+    used: list[int]
+    memory_mib: int
+    compute_capability: str | None
+    gfx: str | None
+
+
+@dataclass
+class HostPlan:
+    """What one host must have and run. The GPU fields are None on a host without GPUs
+    (a router or gateway host) and are then left out of the JSON."""
+
+    address: str
+    roles: list[str]
+    units: list[str]
+    ports: list[int]
+    cpu_arch: str
+    engine: EngineReq
+    flashinfer_floor: str | None
+    cache: dict
+    ucx_env: dict[str, str]
+    system_packages: list[str]
+    disable_services: list[str]
+    gpu: GpuReq | None = None
+    driver_floor: str | None = None
+    rocm_floor: str | None = None
+    fabric_manager: bool | None = None
+    nvlsm: bool | None = None
+    imex: dict | None = None
+    rdma: bool | None = None
+    peermem: bool | None = None
+
+    GPU_ONLY = ("gpu", "driver_floor", "rocm_floor", "fabric_manager", "nvlsm", "imex",
+                "rdma", "peermem")
+
+    def to_json(self) -> dict:
+        out = asdict(self)
+        if self.gpu is None:
+            for key in self.GPU_ONLY:
+                out.pop(key)
+        return out
+
+
+@dataclass
+class Plan:
+    target: cat.Target
+    model: cat.Model
+    engine: cat.Engine
+    hardware: cat.Hardware
+    processes: list[Process]
+    hosts: dict[str, HostPlan]
+    cache: dict
+    endpoint: str
+    warnings: list[str]
+    options: list[str]
+    inventory: str
+    api: dict = field(default_factory=dict)
+    endpoints: list[str] = field(default_factory=list)  # one per replica
+
+    def by_role(self, role: str) -> list[Process]:
+        return [p for p in self.processes if p.role == role]
+
+    def on_host(self, host: str) -> list[Process]:
+        return [p for p in self.processes if p.host == host]
+
+    @property
+    def engines(self) -> list[Process]:
+        return [p for p in self.processes if p.is_engine]
+
+    def _model_json(self) -> dict:
+        return {
+            "repo": self.model.repo,
+            "revision": self.cache["models"][0]["revision"],
+            "served_name": self.model.served_name,
+            "modalities": self.model.modalities,
+        }
+
+    def to_json(self) -> dict:
+        """The whole plan (`fab plan --format json`, the controller's gpufleet_plan)."""
+        return {
+            "target": self.target.name,
+            "summary": self.target.summary,
+            "engine": self.target.engine,
+            "hardware": self.target.hardware,
+            "options": self.options,
+            "model": self._model_json(),
+            "endpoint": self.endpoint,
+            "endpoints": self.endpoints,
+            "api": self.api,
+            "processes": [p.to_json() for p in self.processes],
+            "hosts": {name: req.to_json() for name, req in self.hosts.items()},
+            "cache": self.cache,
+            "warnings": self.warnings,
+            "inventory": self.inventory,
+        }
+
+
+def host_slices(plan_json: dict) -> dict[str, dict]:
+    """Each host's part of a plan's JSON, given to it as `gpufleet_host` by
+    playbooks/plan.yml: its requirements (`hosts[name]`), its own processes, and the
+    deployment-wide facts its roles read (`checkpoint` is the plan's `cache`)."""
+    out = {}
+    plan_hosts = list(plan_json["hosts"])
+    deployment = {
+        "plan_hosts": plan_hosts,  # every host of the plan, in the plan's order
+        "peers": sorted({req["address"] for req in plan_json["hosts"].values()}),
+        # every start level of the deployment: hosts start level by level together
+        "start_orders": sorted({p["order"] for p in plan_json["processes"]}),
+    }
+    for name, req in plan_json["hosts"].items():
+        out[name] = {
+            "name": name, **req,
+            "processes": [p for p in plan_json["processes"] if p["host"] == name],
+            "target": plan_json["target"], "engine_name": plan_json["engine"],
+            "model": plan_json["model"], "api": plan_json["api"],
+            "checkpoint": plan_json["cache"], **deployment,
+        }
+    return out

@@ -1,0 +1,952 @@
+"""gpufleet lab: simulated GPU, fabric and RDMA tools for one lab host.
+
+Installed as /usr/lib/gpufleet-lab/hwlab.py by gpufleet_lab.hwsim; every tool
+(/usr/bin/nvidia-smi, ibstat, modprobe, ...) is a small wrapper that calls
+``main(tool, args)``. Everything comes from /etc/gpufleet-lab/hw.json; state
+that tools change (persistence mode, loaded modules, running daemons) lives in
+/var/lib/gpufleet-lab, /etc/gpufleet-lab/modules and /run/gpufleet-lab.
+Output formats follow the real tools; the nvidia-smi XML is the real H200
+capture (nvidia-smi-q.xml next to this file) with per-GPU values substituted.
+Stdlib only. GPUFLEET_LAB_ROOT prefixes every path (tests run it in a tmpdir).
+"""
+
+import contextlib
+import json
+import os
+import re
+import signal
+import socket
+import sys
+import time
+
+ROOT = os.environ.get("GPUFLEET_LAB_ROOT", "/")
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+NO_DRIVER = (
+    "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver. "
+    "Make sure that the latest NVIDIA driver is installed and running.\n"
+)
+
+
+def path(p):
+    return os.path.join(ROOT, p.lstrip("/"))
+
+
+def load_hw():
+    with open(path("/etc/gpufleet-lab/hw.json")) as f:
+        return json.load(f)
+
+
+def read(p, default=""):
+    try:
+        with open(path(p)) as f:
+            return f.read()
+    except OSError:
+        return default
+
+
+def write(p, text):
+    full = path(p)
+    os.makedirs(os.path.dirname(full), exist_ok=True)
+    # In place (no rename): /etc/gpufleet-lab/modules may be bind-mounted over /proc/modules.
+    with open(full, "a+") as f:
+        f.seek(0)
+        f.truncate()
+        f.write(text)
+
+
+def loaded_modules():
+    return [line.split()[0] for line in read("/etc/gpufleet-lab/modules").splitlines() if line]
+
+
+def daemon_running(name):
+    pid = read(f"/run/gpufleet-lab/{name}.pid").strip()
+    if not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def run_daemon(name, serve=None):
+    """Write the pid file, serve (or sleep) until SIGTERM, remove the pid file."""
+    write(f"/run/gpufleet-lab/{name}.pid", f"{os.getpid()}\n")
+
+    def stop(*_):
+        with contextlib.suppress(OSError):
+            os.unlink(path(f"/run/gpufleet-lab/{name}.pid"))
+        sys.exit(0)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    if serve:
+        serve()
+    while True:
+        time.sleep(3600)
+
+
+def log(name, text):
+    sys.stderr.write(text + "\n")
+    stamp = time.strftime("%b %d %Y %H:%M:%S")
+    try:
+        os.makedirs(path("/var/log"), exist_ok=True)
+        with open(path(f"/var/log/{name}.log"), "a") as f:
+            f.write(f"[{stamp}] {text}\n")
+    except OSError:
+        pass
+
+
+# --------------------------------------------------------------------------- nvidia-smi
+
+
+def persistence(hw):
+    return read("/var/lib/gpufleet-lab/persistence").strip() == "1"
+
+
+def fabric(hw):
+    """(state, status, cliqueId, clusterUuid, health) as the driver reports it now."""
+    fab = hw["fabric"]
+    fm = hw.get("fabric_manager")
+    if fm and not daemon_running("nv-fabricmanager"):
+        return "In Progress", "N/A", "N/A", "N/A", "N/A"
+    if fab.get("state"):  # a fabric run outside the host, in the state a fault put it
+        return fab["state"], fab.get("status", "N/A"), "N/A", "N/A", "N/A"
+    health = fab.get("health", "Healthy")
+    return "Completed", "Success", fab["clique_id"], fab["cluster_uuid"], health
+
+
+def sub(block, tag, value):
+    return re.sub(rf"<{tag}>[^<]*</{tag}>", f"<{tag}>{value}</{tag}>", block, count=1)
+
+
+def sub_in(block, parent, tag, value):
+    start = block.index(f"<{parent}>")
+    end = block.index(f"</{parent}>", start)
+    return block[:start] + sub(block[start:end], tag, value) + block[end:]
+
+
+def nvsmi_xml(hw, gpus):
+    with open(os.path.join(HERE, "nvidia-smi-q.xml")) as f:
+        template = f.read()
+    head, rest = template.split("\t<gpu id=", 1)
+    gpu_block = "\t<gpu id=" + rest[: rest.index("</gpu>") + len("</gpu>")] + "\n"
+    tail = rest[rest.index("</gpu>") + len("</gpu>") :].lstrip("\n")
+    drv, spec = hw["driver"], hw["gpu"]
+    head = re.sub(r"nvsmi_device_v\d+\.dtd", drv["dtd"], head)
+    head = sub(head, "timestamp", time.strftime("%a %b %d %H:%M:%S %Y"))
+    head = sub(head, "driver_version", drv["version"])
+    head = sub(head, "cuda_version", drv["cuda"])
+    head = sub(head, "attached_gpus", str(len(gpus)))
+    state, status, clique, cluster, health = fabric(hw)
+    pm = "Enabled" if persistence(hw) else "Disabled"
+    blocks = []
+    for g in gpus:
+        domain, bus, devfn = g["bus_id"].split(":")
+        b = re.sub(r'<gpu id="[^"]*">', '<gpu id="{}">'.format(g["bus_id"]), gpu_block)
+        for tag, value in (
+            ("product_name", spec["name"]),
+            ("product_architecture", spec["architecture"]),
+            ("persistence_mode", pm),
+            ("serial", g["serial"]),
+            ("uuid", g["uuid"]),
+            ("minor_number", g["minor"]),
+            ("vbios_version", spec["vbios_version"]),
+            ("module_id", g["module_id"]),
+            ("gsp_firmware_version", drv["version"]),
+            ("pci_bus", bus),
+            ("pci_device", devfn.split(".")[0]),
+            ("pci_domain", domain[-4:]),
+            ("pci_device_id", spec["pci_device_id"]),
+            ("pci_bus_id", g["bus_id"]),
+            ("pci_sub_system_id", spec["pci_sub_system_id"]),
+            ("c2c_mode", spec["c2c_mode"]),
+            ("state", state),
+            ("status", status),
+            ("cliqueId", clique),
+            ("clusterUuid", cluster),
+            ("summary", health),
+        ):
+            b = sub(b, tag, value)
+        total, reserved = spec["memory_mib"], spec["reserved_mib"]
+        for tag, value in (
+            ("total", f"{total} MiB"),
+            ("reserved", f"{reserved} MiB"),
+            ("used", "0 MiB"),
+            ("free", f"{total - reserved} MiB"),
+        ):
+            b = sub_in(b, "fb_memory_usage", tag, value)
+        watts = "{:.2f} W".format(spec["power_limit_w"])
+        for tag in (
+            "current_power_limit",
+            "requested_power_limit",
+            "default_power_limit",
+            "max_power_limit",
+        ):
+            b = sub_in(b, "gpu_power_readings", tag, watts)
+        blocks.append(b)
+    return head + "".join(blocks) + "\n" + tail
+
+
+def nvsmi_text(hw, gpus):
+    drv, spec = hw["driver"], hw["gpu"]
+    state, status, clique, cluster, health = fabric(hw)
+    pm = "Enabled" if persistence(hw) else "Disabled"
+    out = ["", "==============NVSMI LOG==============", ""]
+
+    def kv(indent, key, value):
+        out.append(("    " * indent + key).ljust(55) + ": " + str(value))
+
+    kv(0, "Timestamp", time.strftime("%a %b %d %H:%M:%S %Y"))
+    kv(0, "Driver Version", drv["version"])
+    kv(0, "CUDA Version", drv["cuda"])
+    out.append("")
+    kv(0, "Attached GPUs", len(gpus))
+    for g in gpus:
+        out.append("GPU " + g["bus_id"])
+        kv(1, "Product Name", spec["name"])
+        kv(1, "Product Brand", "NVIDIA")
+        kv(1, "Product Architecture", spec["architecture"])
+        kv(1, "Persistence Mode", pm)
+        out.append("    MIG Mode")
+        kv(2, "Current", "Disabled")
+        kv(2, "Pending", "Disabled")
+        kv(1, "Serial Number", g["serial"])
+        kv(1, "GPU UUID", g["uuid"])
+        kv(1, "Minor Number", g["minor"])
+        kv(1, "VBIOS Version", spec["vbios_version"])
+        kv(1, "GSP Firmware Version", drv["version"])
+        out.append("    FB Memory Usage")
+        kv(2, "Total", f"{spec['memory_mib']} MiB")
+        kv(2, "Reserved", f"{spec['reserved_mib']} MiB")
+        kv(2, "Used", "0 MiB")
+        kv(2, "Free", f"{spec['memory_mib'] - spec['reserved_mib']} MiB")
+        out.append("    ECC Mode")
+        kv(2, "Current", "Enabled")
+        kv(2, "Pending", "Enabled")
+        out.append("    Fabric")
+        kv(2, "State", state)
+        kv(2, "Status", status)
+        kv(2, "CliqueId", clique)
+        kv(2, "ClusterUUID", cluster)
+        out.append("        Health")
+        kv(3, "Summary", health)
+    return "\n".join(out) + "\n"
+
+
+def template(name):
+    with open(os.path.join(HERE, name)) as f:
+        return f.read()
+
+
+def nvsmi_table(hw, gpus):
+    """The summary table, framed by the lines of the real capture (nvidia-smi-table.txt)."""
+    real = template("nvidia-smi-table.txt").splitlines()
+    drv, spec = hw["driver"], hw["gpu"]
+    sep = real[3]
+    pm = "On" if persistence(hw) else "Off"
+    name, ver = spec["name"], drv["version"]
+    usage, cap = f"{spec['power_limit_w'] // 6}W", f"{spec['power_limit_w']}W"
+    total = f"{spec['memory_mib']}MiB"
+    lines = [time.strftime("%a %b %d %H:%M:%S %Y       "), real[1]]
+    lines.append(f"| NVIDIA-SMI {ver:<23}Driver Version: {ver:<15}CUDA Version: {drv['cuda']:<9}|")
+    lines += real[3:8]
+    for g in gpus:
+        lines += [
+            f"|{g['index']:>4}  {name:<29}{pm:>4}  |{g['bus_id']:>19} {'Off':>3} |{'0':>21} |",
+            f"| {'N/A':<3}{'34C':>6}{'P0':>6}{usage:>16} / {cap:>5} "
+            f"|{'0MiB':>11} / {total:>9} |{'0%':>8}{'Default':>13} |",
+            f"|{'':41}|{'':24}|{'Disabled':>21} |",
+            sep,
+        ]
+    lines += real[12:]
+    return "\n".join(lines) + "\n"
+
+
+def nvsmi_topo(hw, gpus):
+    hcas = hw["hcas"]
+    link = f"NV{hw['gpu']['nvlink_links']}"
+    names = [f"GPU{g['index']}" for g in gpus] + [f"NIC{i}" for i in range(len(hcas))]
+    lines = [
+        "\x1b[4m\t"
+        + "\t".join(names + ["CPU Affinity", "NUMA Affinity", "GPU NUMA ID"])
+        + "\x1b[0m"
+    ]
+
+    def pci(a_numa, b_numa, same):
+        return "PIX" if same else ("NODE" if a_numa == b_numa else "SYS")
+
+    for g in gpus:
+        cells = [" X " if o is g else link for o in gpus]
+        cells += [pci(g["numa"], h["numa"], h["gpu"] == g["index"]) for h in hcas]
+        lines.append(f"GPU{g['index']}\t" + "\t".join(cells) + f"\t{g['cpus']}\t{g['numa']}\t\tN/A")
+    for i, h in enumerate(hcas):
+        cells = [pci(h["numa"], g["numa"], h["gpu"] == g["index"]) for g in gpus]
+        cells += [" X " if j == i else pci(h["numa"], o["numa"], False) for j, o in enumerate(hcas)]
+        lines.append(f"NIC{i}\t" + "\t".join(cells) + "\t\t\t\t")
+    legend = template("topo.txt")
+    text = "\n".join(lines) + "\n" + legend[legend.index("\nLegend:") :]
+    if hcas:
+        text += "\nNIC Legend:\n\n" + "".join(
+            f"  NIC{i}: {h['name']}\n" for i, h in enumerate(hcas)
+        )
+    return text
+
+
+def nvsmi_nvlink(hw, gpus):
+    spec = hw["gpu"]
+    out = []
+    for g in gpus:
+        out.append(f"GPU {g['index']}: {spec['name']} (UUID: {g['uuid']})")
+        out += [f"\t Link {n}: {spec['nvlink_speed']}" for n in range(spec["nvlink_links"])]
+    return "\n".join(out) + "\n"
+
+
+QUERY_UNITS = {
+    "memory.total": "MiB",
+    "memory.used": "MiB",
+    "memory.free": "MiB",
+    "memory.reserved": "MiB",
+    "clocks.max.sm": "MHz",
+    "clocks.max.graphics": "MHz",
+    "clocks.max.memory": "MHz",
+    "power.limit": "W",
+    "power.draw": "W",
+    "utilization.gpu": "%",
+    "utilization.memory": "%",
+}
+
+
+def query_value(hw, g, field, count):
+    spec, drv = hw["gpu"], hw["driver"]
+    pm = "Enabled" if persistence(hw) else "Disabled"
+    values = {
+        "index": g["index"],
+        "name": spec["name"],
+        "gpu_name": spec["name"],
+        "uuid": g["uuid"],
+        "gpu_uuid": g["uuid"],
+        "serial": g["serial"],
+        "pci.bus_id": g["bus_id"],
+        "gpu_bus_id": g["bus_id"],
+        "count": count,
+        "driver_version": drv["version"],
+        "vbios_version": spec["vbios_version"],
+        "compute_cap": spec["compute_cap"],
+        "persistence_mode": pm,
+        "ecc.mode.current": "Enabled",
+        "ecc.mode.pending": "Enabled",
+        "mig.mode.current": "Disabled",
+        "mig.mode.pending": "Disabled",
+        "ecc.errors.uncorrected.volatile.total": 0,
+        "ecc.errors.uncorrected.aggregate.total": 0,
+        "memory.total": spec["memory_mib"],
+        "memory.reserved": spec["reserved_mib"],
+        "memory.used": 0,
+        "memory.free": spec["memory_mib"] - spec["reserved_mib"],
+        "clocks.max.sm": 1980,
+        "clocks.max.graphics": 1980,
+        "clocks.max.memory": 3201,
+        "power.limit": "{:.2f}".format(spec["power_limit_w"]),
+        "power.draw": "78.25",
+        "utilization.gpu": 0,
+        "utilization.memory": 0,
+        "temperature.gpu": 32,
+        "pstate": "P0",
+        "compute_mode": "Default",
+        "fabric.state": fabric(hw)[0],
+        "fabric.status": fabric(hw)[1],
+    }
+    return values.get(field)
+
+
+def nvsmi_query(hw, gpus, fields, fmt):
+    opts = fmt.split(",")
+    if "csv" not in opts:
+        sys.stderr.write(f'"{fmt}" is not a valid format.\n')
+        return 2
+    for field in fields:
+        if query_value(hw, gpus[0], field, len(gpus)) is None:
+            sys.stdout.write(f'Field "{field}" is not a valid field to query.\n\n')
+            return 2
+    units = "nounits" not in opts
+    if "noheader" not in opts:
+        sys.stdout.write(
+            ", ".join(f + (f" [{QUERY_UNITS[f]}]" if f in QUERY_UNITS else "") for f in fields)
+            + "\n"
+        )
+    for g in gpus:
+        row = []
+        for f in fields:
+            value = str(query_value(hw, g, f, len(gpus)))
+            if units and f in QUERY_UNITS:
+                value += " " + QUERY_UNITS[f]
+            row.append(value)
+        sys.stdout.write(", ".join(row) + "\n")
+    return 0
+
+
+def nvidia_smi(hw, args):
+    if "nvidia" not in loaded_modules():
+        sys.stdout.write(NO_DRIVER)
+        return 9
+    gpus = hw["gpus"]
+    if "-i" in args or "--id" in args:
+        key = "-i" if "-i" in args else "--id"
+        wanted = args[args.index(key) + 1].split(",")
+        gpus = [
+            g
+            for g in gpus
+            if str(g["index"]) in wanted or g["uuid"] in wanted or g["bus_id"] in wanted
+        ]
+        if not gpus:
+            sys.stdout.write("No devices were found\n")
+            return 6
+        at = args.index(key)
+        args = args[:at] + args[at + 2 :]
+    opts = {}
+    for arg in args:
+        if arg.startswith("--") and "=" in arg:
+            key, value = arg.split("=", 1)
+            opts[key] = value
+    for key in ("--query-gpu", "--format"):
+        if key in args:
+            opts[key] = args[args.index(key) + 1]
+    if not args:
+        sys.stdout.write(nvsmi_table(hw, gpus))
+    elif "--version" in args:
+        drv = hw["driver"]
+        sys.stdout.write(
+            "NVIDIA-SMI version  : {}\nNVML version        : {}\n"
+            "DRIVER version      : {}\nCUDA Version        : {}\n".format(
+                drv["version"], drv["version"].rsplit(".", 1)[0], drv["version"], drv["cuda"]
+            )
+        )
+    elif args[0] in ("-L", "--list-gpus"):
+        for g in gpus:
+            sys.stdout.write(f"GPU {g['index']}: {hw['gpu']['name']} (UUID: {g['uuid']})\n")
+    elif "--query-gpu" in opts:
+        if "--format" not in opts:
+            sys.stdout.write('"--format" option must be specified when using --query-gpu.\n')
+            return 2
+        return nvsmi_query(hw, gpus, opts["--query-gpu"].split(","), opts["--format"])
+    elif args[0] in ("-q", "--query"):
+        xml = "-x" in args or "--xml-format" in args
+        sys.stdout.write(nvsmi_xml(hw, gpus) if xml else nvsmi_text(hw, gpus))
+    elif args[0] == "topo" and ("-m" in args or "--matrix" in args):
+        sys.stdout.write(nvsmi_topo(hw, gpus))
+    elif args[0] == "nvlink" and ("-s" in args or "--status" in args):
+        sys.stdout.write(nvsmi_nvlink(hw, gpus))
+    elif args[0] in ("-pm", "--persistence-mode") or "--persistence-mode" in opts:
+        value = opts.get("--persistence-mode") or args[1]
+        enable = value in ("1", "ENABLED", "Enabled")
+        if os.geteuid() != 0 and not os.environ.get("GPUFLEET_LAB_ROOT"):
+            sys.stdout.write(
+                "Unable to set persistence mode for GPU {}: Insufficient Permissions\n"
+                "Terminating early due to previous errors.\n".format(gpus[0]["bus_id"])
+            )
+            return 4
+        before = persistence(hw)
+        write("/var/lib/gpufleet-lab/persistence", "1\n" if enable else "0\n")
+        word = "Enabled" if enable else "Disabled"
+        for g in gpus:
+            if before == enable:
+                sys.stdout.write(
+                    "Persistence mode is already {} for GPU {}.\n".format(word, g["bus_id"])
+                )
+            else:
+                sys.stdout.write("{} persistence mode for GPU {}.\n".format(word, g["bus_id"]))
+        sys.stdout.write("All done.\n")
+    else:
+        sys.stdout.write(
+            "Invalid combination of input arguments. Please run 'nvidia-smi -h' for help.\n\n"
+        )
+        return 2
+    return 0
+
+
+# --------------------------------------------------------------------------- fabric, IMEX
+
+
+def nv_fabricmanager(hw, args):
+    fm = hw.get("fabric_manager")
+    if "--version" in args or "-v" in args:
+        sys.stdout.write("Fabric Manager version is : {}\n".format(fm["version"]))
+        return 0
+    driver = hw["driver"]["version"]
+    if "nvidia" not in loaded_modules():
+        log("fabricmanager", "fabric manager failed to open NVIDIA driver: no such device")
+        return 1
+    if fm["version"] != driver:
+        log(
+            "fabricmanager",
+            "[ERROR] fabric manager NVIDIA GPU driver interface version {} don't match with "
+            "driver version {}. Please update with matching NVIDIA driver package.".format(
+                fm["version"], driver
+            ),
+        )
+        return 1
+    if fm.get("nvlsm") and not os.path.exists(path("/opt/nvidia/nvlsm/sbin/nvlsm")):
+        log(
+            "fabricmanager",
+            "[ERROR] NVLink subnet manager (nvlsm) not found; "
+            "Blackwell NVLink fabrics need the nvlsm package",
+        )
+        return 1
+    log(
+        "fabricmanager",
+        "Successfully configured all the available NVSwitches to route GPU "
+        "NVLink traffic. NVLink Peer-to-Peer support will be enabled once the GPUs are "
+        "successfully registered with the NVLink fabric.",
+    )
+    return run_daemon("nv-fabricmanager")
+
+
+def nvlsm(hw, args):
+    sys.stdout.write(
+        "nvlsm version {}\n".format(hw["fabric_manager"].get("nvlsm_version", "unknown"))
+    )
+    return 0
+
+
+def imex_config(args):
+    cfg_path = args[args.index("-c") + 1] if "-c" in args else "/etc/nvidia-imex/config.cfg"
+    cfg = {}
+    for line in read(cfg_path).splitlines():
+        if "=" in line and not line.lstrip().startswith("#"):
+            key, value = line.split("=", 1)
+            cfg[key.strip()] = value.strip()
+    nodes_file = cfg.get("IMEX_NODE_CONFIG_FILE", "/etc/nvidia-imex/nodes_config.cfg")
+    nodes = [
+        n.strip()
+        for n in read(nodes_file).splitlines()
+        if n.strip() and not n.strip().startswith("#")
+    ]
+    return cfg, nodes_file, nodes
+
+
+def nvidia_imex(hw, args):
+    if "--version" in args or "-v" in args:
+        sys.stdout.write("IMEX version is: {}\n".format(hw["driver"]["version"]))
+        return 0
+    cfg, nodes_file, nodes = imex_config(args)
+    if not nodes:
+        log(
+            "nvidia-imex",
+            f"[ERROR] IMEX node configuration file {nodes_file} is missing or empty",
+        )
+        return 1
+    if "nvidia" not in loaded_modules():
+        log("nvidia-imex", "[ERROR] Failed to open the NVIDIA driver")
+        return 1
+    port = int(cfg.get("SERVER_PORT", "50000"))
+    log(
+        "nvidia-imex",
+        f"IMEX version {hw['driver']['version']} is running with {len(nodes)} node(s)",
+    )
+
+    def serve():
+        if not hw["imex"]["peers_connected"]:
+            return
+        srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        srv.bind(("0.0.0.0", port))
+        srv.listen(64)
+        while True:
+            conn, _ = srv.accept()
+            conn.close()
+
+    return run_daemon("nvidia-imex", serve)
+
+
+def is_local(address):
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.bind((address, 0))
+        return True
+    except OSError:
+        return False
+
+
+def reachable(address, port):
+    try:
+        with socket.create_connection((address, port), timeout=0.5):
+            return True
+    except OSError:
+        return False
+
+
+IMEX_LEGEND = """Connectivity Table Legend:
+I - Invalid - Node wasn't reachable, no connection status available
+N - Never Connected
+R - Recovering - Connection was lost, but clean up has not yet been triggered.
+D - Disconnected - Connection was lost, and clean up has been triggreed.
+A - Authenticating - If GSSAPI enabled, client has initiated mutual authentication.
+!V! - Version mismatch, communication disabled.
+!M! - Node map mismatch, communication disabled.
+C - Connected - Ready for operation
+"""
+
+
+def nvidia_imex_ctl(hw, args):
+    if not ("-N" in args or "-n" in args or "-q" in args):
+        sys.stdout.write("Usage: nvidia-imex-ctl [-c <config path>] <-n|-N|-q|-s>\n")
+        return 1
+    if not daemon_running("nvidia-imex"):
+        sys.stdout.write("Failed to connect to the IMEX command service: Connection refused\n")
+        return 1
+    if "-q" in args:
+        sys.stdout.write("READY\n")
+        return 0
+    cfg, _, nodes = imex_config(args)
+    port = int(cfg.get("SERVER_PORT", "50000"))
+    up = hw["imex"]["peers_connected"]
+    ready = [is_local(n) or (up and reachable(n, port)) for n in nodes]
+    now = time.localtime()
+    out = [
+        IMEX_LEGEND,
+        f"{now.tm_mon}/{now.tm_mday}/{now.tm_year} "
+        f"{time.strftime('%H:%M:%S', now)}.{int(time.time() * 1000) % 1000:03d}",
+        "Nodes:",
+    ]
+    for i, node in enumerate(nodes):
+        state = "READY" if ready[i] else "UNAVAILABLE"
+        line = f"{'Node #' + str(i):<9} - {node:<15} - {state:<20}"
+        out.append(
+            (line + " - Version: {}".format(hw["driver"]["version"])) if ready[i] else line.rstrip()
+        )
+    out += ["", " Nodes From\\To  " + "".join(f"{i:<4}" for i in range(len(nodes))).rstrip()]
+    for i in range(len(nodes)):
+        row = ["C" if ready[i] and ready[j] and (up or i == j) else "N" for j in range(len(nodes))]
+        out.append(f"{i:>8}        " + "".join(f"{c:<4}" for c in row).rstrip())
+    connected = all(ready) and up
+    out += ["", "Domain State: " + ("UP" if connected else "DOWN")]
+    sys.stdout.write("\n".join(out) + "\n")
+    return 0
+
+
+# --------------------------------------------------------------------------- AMD
+
+
+def amd_static(hw):
+    spec, rocm = hw["gpu"], hw["rocm"]
+    return [
+        {
+            "gpu": g["index"],
+            "asic": {
+                "market_name": spec["name"],
+                "vendor_id": "0x1002",
+                "vendor_name": "Advanced Micro Devices Inc. [AMD/ATI]",
+                "subvendor_id": "0x1002",
+                "device_id": spec["device_id"],
+                "subsystem_id": "0x0c34",
+                "rev_id": "0x00",
+                "asic_serial": "0x" + g["serial"].rjust(16, "0"),
+                "oam_id": g["index"],
+                "num_compute_units": spec["compute_units"],
+                "target_graphics_version": spec["gfx_target"],
+            },
+            "bus": {
+                "bdf": g["bus_id"],
+                "max_pcie_width": 16,
+                "max_pcie_speed": {"value": 32, "unit": "GT/s"},
+                "pcie_interface_version": "Gen 5",
+                "slot_type": "OAM",
+            },
+            "driver": {"name": "amdgpu", "version": rocm["amdgpu_version"]},
+            "vram": {
+                "type": spec["vram_type"],
+                "vendor": "SAMSUNG",
+                "size": {"value": spec["memory_mib"], "unit": "MB"},
+                "bit_width": 8192,
+            },
+            "numa": {"node": g["numa"], "affinity": g["numa"]},
+        }
+        for g in hw["gpus"]
+    ]
+
+
+def yamlish(value, indent=0):
+    out = []
+    for key, item in value.items():
+        if isinstance(item, dict) and set(item) == {"value", "unit"}:
+            out.append(
+                "    " * indent + "{}: {} {}".format(key.upper(), item["value"], item["unit"])
+            )
+        elif isinstance(item, dict):
+            out.append("    " * indent + key.upper() + ":")
+            out += yamlish(item, indent + 1)
+        else:
+            out.append("    " * indent + f"{key.upper()}: {item}")
+    return out
+
+
+def amd_smi(hw, args):
+    rocm = hw["rocm"]
+    if "amdgpu" not in loaded_modules():
+        sys.stderr.write("AMDSMI_STATUS_DRIVER_NOT_LOADED - Driver not loaded\n")
+        return 1
+    as_json = "--json" in args
+    cmd = args[0] if args else ""
+    if cmd == "version":
+        info = {
+            "tool": "AMDSMI Tool",
+            "version": rocm["amd_smi_version"],
+            "amdsmi_library_version": rocm["amd_smi_version"],
+            "rocm_version": rocm["version"],
+            "amdgpu_version": rocm["amdgpu_version"],
+        }
+        if as_json:
+            sys.stdout.write(json.dumps([info], indent=4) + "\n")
+        else:
+            sys.stdout.write(
+                "AMDSMI Tool: {} | AMDSMI Library version: {} | ROCm version: {} | "
+                "amdgpu version: {}\n".format(
+                    rocm["amd_smi_version"],
+                    rocm["amd_smi_version"],
+                    rocm["version"],
+                    rocm["amdgpu_version"],
+                )
+            )
+    elif cmd == "static":
+        data = amd_static(hw)
+        if as_json:
+            sys.stdout.write(json.dumps({"gpu_data": data}, indent=4) + "\n")
+        else:
+            for entry in data:
+                entry = dict(entry)
+                sys.stdout.write(f"GPU: {entry.pop('gpu')}\n")
+                sys.stdout.write("\n".join(yamlish(entry, 1)) + "\n\n")
+    elif cmd == "list":
+        rows = [
+            {
+                "gpu": g["index"],
+                "bdf": g["bus_id"],
+                "uuid": g["uuid"][4:],
+                "kfd_id": 1000 + g["index"],
+                "node_id": g["index"] + 1,
+                "partition_id": 0,
+            }
+            for g in hw["gpus"]
+        ]
+        if as_json:
+            sys.stdout.write(json.dumps(rows, indent=4) + "\n")
+        else:
+            for r in rows:
+                sys.stdout.write(f"GPU: {r['gpu']}\n    BDF: {r['bdf']}\n    UUID: {r['uuid']}\n\n")
+    else:
+        sys.stdout.write("usage: amd-smi [-h] {version,list,static} ...\n")
+        return 2 if args else 0
+    return 0
+
+
+def rocm_smi(hw, args):
+    spec = hw["gpu"]
+    if "amdgpu" not in loaded_modules():
+        sys.stdout.write("ERROR:root:Driver not initialized (amdgpu not found in modules)\n")
+        return 1
+    cards = {}
+    for g in hw["gpus"]:
+        card = {}
+        if "--showproductname" in args:
+            card.update(
+                {
+                    "Card Series": spec["name"],
+                    "Card Model": spec["device_id"],
+                    "Card Vendor": "Advanced Micro Devices, Inc. [AMD/ATI]",
+                    "Card SKU": "MI3SKU",
+                    "Subsystem ID": "0x0c34",
+                    "Device Rev": "0x00",
+                    "Node ID": str(g["index"] + 2),
+                    "GUID": str(1000 + g["index"]),
+                    "GFX Version": spec["gfx_target"],
+                }
+            )
+        if "--showmeminfo" in args:
+            card.update(
+                {
+                    "VRAM Total Memory (B)": str(spec["memory_mib"] * 1048576),
+                    "VRAM Total Used Memory (B)": "294912000",
+                }
+            )
+        cards[f"card{g['index']}"] = card
+    if "--json" in args:
+        result = dict(cards)
+        if "--showdriverversion" in args:
+            result["system"] = {"Driver version": hw["rocm"]["amdgpu_version"]}
+        sys.stdout.write(json.dumps(result) + "\n")
+        return 0
+    bar = "=" * 28
+    out = ["", bar + " ROCm System Management Interface " + bar]
+    for key, card in cards.items():
+        for name, value in card.items():
+            out.append(f"GPU[{key[4:]}]\t\t: {name}: {value}")
+    out.append("=" * 89)
+    out.append("=" * 34 + " End of ROCm SMI Log " + "=" * 34)
+    sys.stdout.write("\n".join(out) + "\n")
+    return 0
+
+
+# --------------------------------------------------------------------------- RDMA, modules
+
+
+def ibv_devinfo(hw, args):
+    hcas = hw["hcas"]
+    if "-d" in args:
+        hcas = [h for h in hcas if h["name"] == args[args.index("-d") + 1]]
+    if not hcas:
+        sys.stderr.write("No IB devices found\n")
+        return 255
+    ib = hw["ib"]
+    out = []
+    for h in hcas:
+        active = h["port_state"] == "Active"
+        out += [
+            "hca_id:\t{}".format(h["name"]),
+            "\ttransport:\t\t\tInfiniBand (0)",
+            "\tfw_ver:\t\t\t\t{}".format(ib["fw_ver"]),
+            "\tnode_guid:\t\t\t{}".format(h["guid"]),
+            "\tsys_image_guid:\t\t\t{}".format(h["guid"]),
+            "\tvendor_id:\t\t\t0x02c9",
+            "\tvendor_part_id:\t\t\t{}".format(ib["vendor_part_id"]),
+            "\thw_ver:\t\t\t\t0x0",
+            "\tboard_id:\t\t\tMT_0000000838",
+            "\tphys_port_cnt:\t\t\t1",
+            "\t\tport:\t1",
+            "\t\t\tstate:\t\t\t%s" % ("PORT_ACTIVE (4)" if active else "PORT_DOWN (1)"),
+            "\t\t\tmax_mtu:\t\t4096 (5)",
+            "\t\t\tactive_mtu:\t\t4096 (5)",
+            "\t\t\tsm_lid:\t\t\t%s" % (1 if active else 0),
+            "\t\t\tport_lid:\t\t%s" % (hw["hcas"].index(h) + 10 if active else 65535),
+            "\t\t\tport_lmc:\t\t0x00",
+            "\t\t\tlink_layer:\t\t{}".format(ib["link_layer"]),
+            "",
+        ]
+    sys.stdout.write("\n".join(out) + "\n")
+    return 0
+
+
+def ibstat(hw, args):
+    hcas = hw["hcas"]
+    if "-l" in args:
+        sys.stdout.write("".join(h["name"] + "\n" for h in hcas))
+        return 0
+    names = [a for a in args if not a.startswith("-")]
+    if names:
+        hcas = [h for h in hcas if h["name"] == names[0]]
+        if not hcas:
+            sys.stderr.write(
+                f"ibpanic: [{os.getpid()}] main: '{names[0]}' IB device can't be found: Success\n"
+            )
+            return 255
+    ib = hw["ib"]
+    out = []
+    for i, h in enumerate(hcas):
+        guid = "0x" + h["guid"].replace(":", "")
+        active = h["port_state"] == "Active"
+        out += [
+            "CA '{}'".format(h["name"]),
+            "\tCA type: {}".format(ib["ca_type"]),
+            "\tNumber of ports: 1",
+            "\tFirmware version: {}".format(ib["fw_ver"]),
+            "\tHardware version: 0",
+            f"\tNode GUID: {guid}",
+            f"\tSystem image GUID: {guid}",
+            "\tPort 1:",
+            "\t\tState: %s" % ("Active" if active else "Down"),
+            "\t\tPhysical state: %s" % ("LinkUp" if active else "Polling"),
+            "\t\tRate: %s" % (ib["rate"] if active else 10),
+            f"\t\tBase lid: {i + 10 if active else 65535}",
+            "\t\tLMC: 0",
+            f"\t\tSM lid: {1 if active else 0}",
+            "\t\tCapability mask: 0xa751e848",
+            f"\t\tPort GUID: {guid}",
+            "\t\tLink layer: {}".format(ib["link_layer"]),
+        ]
+    sys.stdout.write("\n".join(out) + ("\n" if out else ""))
+    return 0
+
+
+def lsmod(hw, args):
+    out = ["Module                  Size  Used by"]
+    for line in read("/etc/gpufleet-lab/modules").splitlines():
+        cells = line.split()
+        if cells:
+            deps = "" if cells[3] == "-" else " " + cells[3].rstrip(",")
+            out.append(f"{cells[0]:<19} {cells[1]:>8}  {cells[2]}{deps}")
+    sys.stdout.write("\n".join(out) + "\n")
+    return 0
+
+
+def real_modprobe(args):
+    for candidate in ("/usr/sbin/modprobe", "/sbin/modprobe"):
+        if os.path.exists(candidate) and ROOT == "/":
+            os.execv(candidate, ["modprobe"] + args)
+    return None
+
+
+def modprobe(hw, args):
+    flags = [a for a in args if a.startswith("-")]
+    names = [a for a in args if not a.startswith("-") and "=" not in a]
+    if not names:
+        sys.stderr.write("modprobe: ERROR: missing parameters. See -h.\n")
+        return 1
+    remove = "-r" in flags or "--remove" in flags
+    known = set(hw["modules"]) | set(hw["loadable_modules"])
+    loaded = loaded_modules()
+    targets = names if remove else names[:1]
+    for name in targets:
+        name = name.replace("-", "_")
+        if name not in known and real_modprobe(args) is None:
+            sys.stderr.write(
+                f"modprobe: FATAL: Module {name} not found in directory "
+                f"/lib/modules/{os.uname().release}\n"
+            )
+            return 1
+        if remove:
+            loaded = [m for m in loaded if m != name]
+            continue
+        if name in loaded:
+            continue
+        if name == "nvidia_peermem" and hw["peermem_error"]:
+            sys.stderr.write(
+                "nvidia_peermem: disagrees about version of symbol "
+                "ib_register_peer_memory_client\n"
+                "nvidia_peermem: Unknown symbol ib_register_peer_memory_client "
+                "(err -22)\n"
+                "modprobe: ERROR: could not insert 'nvidia_peermem': "
+                "Invalid argument\n"
+            )
+            return 1
+        loaded.append(name)
+    text = read("/etc/gpufleet-lab/modules")
+    rows = {line.split()[0]: line for line in text.splitlines() if line.strip()}
+    lines = [rows.get(m, f"{m} {4096 * (len(m) + 7)} 0 - Live 0x0000000000000000") for m in loaded]
+    write("/etc/gpufleet-lab/modules", "".join(line + "\n" for line in lines))
+    return 0
+
+
+TOOLS = {
+    "nvidia-smi": nvidia_smi,
+    "nv-fabricmanager": nv_fabricmanager,
+    "nvlsm": nvlsm,
+    "nvidia-imex": nvidia_imex,
+    "nvidia-imex-ctl": nvidia_imex_ctl,
+    "amd-smi": amd_smi,
+    "rocm-smi": rocm_smi,
+    "ibv_devinfo": ibv_devinfo,
+    "ibstat": ibstat,
+    "lsmod": lsmod,
+    "modprobe": modprobe,
+}
+
+
+def main(tool, args):
+    try:
+        sys.stdout.flush()
+        return TOOLS[tool](load_hw(), list(args)) or 0
+    except BrokenPipeError:
+        return 0

@@ -297,11 +297,15 @@ def restart(c, role=None, target=None, inventory=DEFAULT_INVENTORY):
 
 
 @task(help={"target": PLAN_HELP["target"], "inventory": PLAN_HELP["inventory"],
-            "purge_cache": "also delete the checkpoint cache (kept by default)"})
-def teardown(c, target=None, inventory=DEFAULT_INVENTORY, purge_cache=False):
-    """Stop and remove everything gpufleet installed on the hosts; keeps the cache."""
+            "purge_cache": "also delete the checkpoint cache (kept by default)",
+            "purge_images": "also delete the engine image (image runtime; kept by default)"})
+def teardown(c, target=None, inventory=DEFAULT_INVENTORY, purge_cache=False,
+             purge_images=False):
+    """Stop and remove everything gpufleet installed on the hosts; keeps the cache and the
+    engine image unless --purge-cache / --purge-images."""
     p = _plan(target, inventory)
-    _ansible("playbooks/teardown.yml", p, inventory, {"teardown_cache": bool(purge_cache)})
+    _ansible("playbooks/teardown.yml", p, inventory, {"teardown_cache": bool(purge_cache),
+                                                      "teardown_images": bool(purge_images)})
 
 
 @task(help={"target": PLAN_HELP["target"], "inventory": PLAN_HELP["inventory"],

@@ -236,6 +236,13 @@ class Plan:
         }
 
 
+def image_repository(ref: str) -> str:
+    """An image reference without its tag or digest (a registry's :port stays)."""
+    name = ref.split("@", 1)[0]
+    head, sep, tag = name.rpartition(":")
+    return head if sep and "/" not in tag else name
+
+
 def host_slices(plan_json: dict) -> dict[str, dict]:
     """Each host's part of a plan's JSON, given to it as `gpufleet_host` by
     playbooks/plan.yml: its requirements (`hosts[name]`), its own processes, and the

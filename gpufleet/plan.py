@@ -37,6 +37,7 @@ from .model import (  # noqa: F401 (the planner's public names, as before the mo
     PlanError,
     Problem,
     Process,
+    image_repository,
 )
 from .overrides import managed
 
@@ -576,14 +577,7 @@ def _containers(plan: Plan, image: cat.Image, ov: Overrides, catalog) -> None:
         plan.warnings.append(
             f"image runtime: {image.ref} is a tag, not a digest: each host pins the digest of "
             f"its first pull and the deploy refuses hosts that differ; pin one with "
-            f"gpufleet_images: {{{plan.target.engine}: {_repository(image.ref)}@sha256:...}}")
-
-
-def _repository(ref: str) -> str:
-    """An image reference without its tag or digest (a registry's :port stays)."""
-    name = ref.split("@", 1)[0]
-    head, sep, tag = name.rpartition(":")
-    return head if sep and "/" not in tag else name
+            f"gpufleet_images: {{{plan.target.engine}: {image_repository(image.ref)}@sha256:...}}")
 
 
 def _engine_locks(plan: Plan, inventory: inv_mod.Inventory, catalog) -> list[Problem]:

@@ -3,6 +3,7 @@
 
     <engine venv>/bin/python venv_check.py --lock <venv>/requirements.lock
     python3.X venv_check.py --host
+    python3 venv_check.py --image        (inside an engine image's container)
 
 ``--lock FILE``, run with the Python of the engine's venv: the distributions that venv
 has installed (``importlib.metadata``) against the lock's ``NAME==VERSION`` lines (names
@@ -14,6 +15,11 @@ null}}``.
 ``--host``, run with the host's Python that is to make the venv (``python3.X``): what
 ``python3.X -m venv`` needs. Output: ``{"glibc": "2.36" (empty where the C library is
 not glibc), "venv": importable, "ensurepip": importable}``.
+
+``--image``, run with the Python of an engine image, in a container started as the plan
+starts the engine's: the FlashInfer family installed in the image, and what the container
+sees of RDMA. Output: ``{"flashinfer": {...as above}, "uverbs": ["uverbs0", ...] (the
+verbs devices under /dev/infiniband), "ipc_lock": CAP_IPC_LOCK is effective}``.
 
 Output goes to stdout as one line of JSON; the caller judges it (roles/engine_runtime:
 the lock's wrong packages, the FlashInfer floor, the glibc floor). Exit status: 0 the
@@ -89,6 +95,27 @@ def host() -> dict:
     return out
 
 
+CAP_IPC_LOCK = 14
+
+
+def image(dev: str = "/dev/infiniband", status: str = "/proc/self/status") -> dict:
+    try:
+        uverbs = sorted(n for n in os.listdir(dev) if n.startswith("uverbs"))
+    except OSError:
+        uverbs = []
+    cap_eff = 0
+    try:
+        with open(status) as f:
+            for line in f:
+                if line.startswith("CapEff:"):
+                    cap_eff = int(line.split()[1], 16)
+    except (OSError, ValueError, IndexError):
+        pass
+    have = installed()
+    return {"flashinfer": {name: have.get(name) for name in FLASHINFER}, "uverbs": uverbs,
+            "ipc_lock": bool(cap_eff >> CAP_IPC_LOCK & 1)}
+
+
 def main(argv: list | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     mode = ap.add_mutually_exclusive_group(required=True)
@@ -96,9 +123,13 @@ def main(argv: list | None = None) -> int:
                       "against this lock (run with the venv's Python)")
     mode.add_argument("--host", action="store_true", help="glibc, venv and ensurepip of "
                       "this Python")
+    mode.add_argument("--image", action="store_true", help="FlashInfer and the RDMA "
+                      "devices and capability this container sees")
     opts = ap.parse_args(argv)
     if opts.host:
         answer = host()
+    elif opts.image:
+        answer = image()
     else:
         try:
             locked = read_lock(opts.lock)

@@ -45,3 +45,17 @@ def test_a_venv_that_cannot_run_is_named_with_its_fix():
     (problem,) = out["problems"]
     assert f"could not run with {VENV}/bin/python (exit 2): ImportError: libpython" in problem
     assert "remove it and re-run prepare" in problem
+
+
+def test_in_an_image_every_engine_is_the_plans_whatever_its_version():
+    image = "docker.io/vllm/vllm-openai@sha256:" + "ab" * 32
+    answer = {"ok": False, "results": [
+        {"name": "prefill", "ok": True, "engine": "vllm", "version": "0.31.2", "error": None},
+        {"name": "decode", "ok": False, "engine": "vllm", "version": "0.31.2",
+         "error": "vllm serve: error: unrecognized arguments: --max-num-seq"}]}
+    out = dry_parse_problems(ran(1, answer), VENV, image)
+    assert out["other"] == []
+    assert len(out["problems"]) == 1 and f"in {image} refuses" in out["problems"][0]
+    broken = dry_parse_problems(ran(125, stderr="Error: crun: no such file"), VENV, image)
+    assert "could not run in " + image in broken["problems"][0]
+    assert "podman run --rm --entrypoint=python3" in broken["problems"][0]

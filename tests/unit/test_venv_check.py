@@ -101,3 +101,35 @@ def test_one_mode_required():
     rc, _, err = run()
     assert rc == 2
     assert "--lock" in err
+
+
+def test_image_mode_reports_flashinfer_and_what_this_process_sees_of_rdma():
+    rc, out, err = run("--image")
+    assert rc == 0, err
+    answer = json.loads(out)
+    assert set(answer["flashinfer"]) == {"flashinfer-python", "flashinfer-cubin",
+                                         "flashinfer-jit-cache"}
+    assert isinstance(answer["uverbs"], list)
+    # the capability as the kernel reports it for this very process
+    cap_eff = int(next(line for line in Path("/proc/self/status").read_text().splitlines()
+                       if line.startswith("CapEff:")).split()[1], 16)
+    assert answer["ipc_lock"] == bool(cap_eff >> 14 & 1)
+
+
+def test_image_mode_reads_devices_and_capabilities_it_is_given(tmp_path):
+    sys.path.insert(0, str(PROGRAM.parent))
+    try:
+        import venv_check
+    finally:
+        sys.path.pop(0)
+    dev = tmp_path / "infiniband"
+    dev.mkdir()
+    for name in ("uverbs1", "uverbs0", "rdma_cm"):
+        (dev / name).touch()
+    status = tmp_path / "status"
+    status.write_text("Name:\tx\nCapEff:\t0000000000004000\n")
+    got = venv_check.image(str(dev), str(status))
+    assert (got["uverbs"], got["ipc_lock"]) == (["uverbs0", "uverbs1"], True)
+    status.write_text("Name:\tx\nCapEff:\t000001ffffffbfff\n")  # everything but IPC_LOCK
+    got = venv_check.image(str(tmp_path / "none"), str(status))
+    assert (got["uverbs"], got["ipc_lock"]) == ([], False)

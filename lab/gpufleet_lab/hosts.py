@@ -135,6 +135,7 @@ REQUIRED = {  # binary -> Debian package that ships it
     "ssh-keygen": "openssh-client",
     "apt-cacher-ng": "apt-cacher-ng",
     "mkfs.ext4": "e2fsprogs",
+    "docker-registry": "docker-registry",
 }
 
 
@@ -597,8 +598,10 @@ def start_host(host: dict, hdir: Path, root: Path) -> int:
         "--register=no",
         "--keep-unit",
         f"--network-namespace-path=/run/netns/{net.host_ns(host['name'])}",
-        # a host administers its own network namespace (nftables, as on a server)
-        "--capability=CAP_NET_ADMIN",
+        # a host administers its own network namespace (nftables, as on a server), and its
+        # engines' containers may lock memory for RDMA (fault no-ipc-lock: they may not)
+        "--capability=" + ("CAP_NET_ADMIN" if "no-ipc-lock" in host.get("faults", [])
+                           else "CAP_NET_ADMIN,CAP_IPC_LOCK"),
         "--resolv-conf=off",
         "--timezone=off",
         "--link-journal=no",

@@ -72,7 +72,9 @@ import hwlab  # noqa: E402
 sys.exit(hwlab.main({tool!r}, sys.argv[1:]))
 """
 
-NVIDIA_TOOLS = {"/usr/bin/nvidia-smi": "nvidia-smi"}
+# nvidia-ctk: the NVIDIA Container Toolkit's CLI (the image runtime's CDI spec), installed
+# as a real host would have it from NVIDIA's repository
+NVIDIA_TOOLS = {"/usr/bin/nvidia-smi": "nvidia-smi", "/usr/bin/nvidia-ctk": "nvidia-ctk"}
 AMD_TOOLS = {"/usr/bin/amd-smi": "amd-smi", "/usr/bin/rocm-smi": "rocm-smi"}
 COMMON_TOOLS = {
     "/usr/bin/ibv_devinfo": "ibv_devinfo",

@@ -1,8 +1,10 @@
-"""Controller services for lab hosts: an apt proxy and a Python wheel source.
+"""Controller services for lab hosts: an apt proxy, a Python wheel source, a Hugging Face
+mirror and a container registry.
 
 These are the mechanisms an air-gapped site uses too: hosts get Debian packages
-only through the apt proxy (apt-cacher-ng) and Python packages only from the
-wheel source, both listening on the controller's lab-side address only.
+only through the apt proxy (apt-cacher-ng), Python packages only from the
+wheel source and images only from the registry (Debian's docker-registry, the image
+runtime's mirror), all listening on the controller's lab-side address only.
 
 The controller has no systemd, so both run as background processes started by
 ``start()`` (PID files under ``SERVICE_DIR``) and ended by ``stop()``.
@@ -30,6 +32,8 @@ from gpufleet_lab.net import LabError
 APT_PROXY_PORT = 3142
 WHEEL_PORT = 3141
 HF_MIRROR_PORT = 3143
+REGISTRY_PORT = 5000
+REGISTRY_DIR = Path("/var/lib/gpufleet-lab/registry")
 WHEEL_DIR = Path("/var/lib/gpufleet-lab/wheels")
 SERVICE_DIR = Path("/var/lib/gpufleet-lab/services")
 APT_CACHE_DIR = Path("/var/cache/gpufleet-lab/apt-cacher-ng")
@@ -55,6 +59,24 @@ def wheel_links_url() -> str:
 
 def hf_mirror_url() -> str:
     return f"http://{controller_address()}:{HF_MIRROR_PORT}"
+
+
+def registry_url() -> str:
+    """The lab's registry, the hosts' registry mirror (plain HTTP: an insecure mirror)."""
+    return f"http://{controller_address()}:{REGISTRY_PORT}"
+
+
+def registry_config() -> Path:
+    """docker-registry's configuration: the package's, without its htpasswd auth (the
+    hosts pull anonymously), on the lab address, with deletes (a fault removes an image)."""
+    path = SERVICE_DIR / "registry.yml"
+    path.write_text(
+        "version: 0.1\n"
+        "log: {level: warn}\n"
+        f"storage:\n  filesystem: {{rootdirectory: {REGISTRY_DIR}}}\n"
+        "  delete: {enabled: true}\n"
+        f"http: {{addr: '{controller_address()}:{REGISTRY_PORT}'}}\n")
+    return path
 
 
 def apt_proxy_url() -> str:
@@ -176,13 +198,16 @@ def _commands() -> dict[str, list[str]]:
         "wheels": [sys.executable, "-m", "gpufleet_lab.services", "serve-wheels", ctrl],
         "hf-mirror": [sys.executable, "-m", "gpufleet_lab.hfmirror", "--host", ctrl,
                       "--port", str(HF_MIRROR_PORT)],
+        "registry": ["docker-registry", "serve", str(SERVICE_DIR / "registry.yml")],
     }
 
 
-PORTS = {"apt-proxy": APT_PROXY_PORT, "wheels": WHEEL_PORT, "hf-mirror": HF_MIRROR_PORT}
+PORTS = {"apt-proxy": APT_PROXY_PORT, "wheels": WHEEL_PORT, "hf-mirror": HF_MIRROR_PORT,
+         "registry": REGISTRY_PORT}
 # in each command line; "hfmirror" also matches a mirror started before the lab left the
 # gpufleet package (python -m gpufleet.lab.hfmirror), which then keeps serving
-MARKERS = {"apt-proxy": "apt-cacher-ng", "wheels": "serve-wheels", "hf-mirror": "hfmirror"}
+MARKERS = {"apt-proxy": "apt-cacher-ng", "wheels": "serve-wheels", "hf-mirror": "hfmirror",
+           "registry": "docker-registry"}
 
 
 def pid_alive(pid: int, marker: str = "") -> bool:
@@ -212,11 +237,13 @@ def _listening(port: int) -> bool:
 
 
 def start() -> None:
-    """Start the apt proxy and wheel source on the lab address (idempotent)."""
+    """Start the lab's services on the lab address (idempotent)."""
     SERVICE_DIR.mkdir(parents=True, exist_ok=True)
     (SERVICE_DIR / "apt-cacher-ng").mkdir(exist_ok=True)
     APT_CACHE_DIR.mkdir(parents=True, exist_ok=True)
     WHEEL_DIR.mkdir(parents=True, exist_ok=True)
+    REGISTRY_DIR.mkdir(parents=True, exist_ok=True)
+    registry_config()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(LAB), str(REPO)])}
     for name, cmd in _commands().items():
         if _pid(name) and _listening(PORTS[name]):

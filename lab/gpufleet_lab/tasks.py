@@ -77,4 +77,16 @@ def ssh(c, host, user="root"):
     os.execvp(cmd[0], cmd)
 
 
-lab = Collection("lab", up, status, down, reboot, ssh)
+@task(help={"engine": "only the images of these engines, comma separated (default: all)",
+            "fault": "also these fault variants, comma separated (flashinfer-old)"})
+def images(c, engine="", fault=""):
+    """Build the stand-in engine images under the catalog's image names and push them to the
+    lab's registry, the image runtime's mirror (a few minutes the first time)."""
+    from gpufleet_lab import images as lab_images
+
+    for ref, digest in _guard(lab_images.ensure, _split(engine) or None,
+                              tuple(_split(fault))).items():
+        print(f"{ref}  {digest}")
+
+
+lab = Collection("lab", up, status, down, reboot, ssh, images)

@@ -180,7 +180,7 @@ def test_hosts_reach_nothing_off_the_machine(lab):
 
 
 def test_services_listen_on_the_lab_address_only(lab):
-    for port in (services.APT_PROXY_PORT, services.WHEEL_PORT):
+    for port in services.PORTS.values():
         out = subprocess.run(["ss", "-Hltn", f"sport = :{port}"], capture_output=True,
                              text=True).stdout  # fmt: skip
         local = [line.split()[3] for line in out.splitlines()]
@@ -198,6 +198,9 @@ def test_hosts_use_the_controller_wheel_source_and_apt_proxy(lab):
         assert wheel.name in links
     finally:
         wheel.unlink()
+    # the registry answers the hosts anonymously (the image runtime's mirror)
+    v2 = ssh(addr, f"curl -sS -o /dev/null -w '%{{http_code}}' {services.registry_url()}/v2/")
+    assert v2.stdout.strip() == "200"
     proxy = ssh(addr, "eval $(apt-config shell P Acquire::http::Proxy) && echo $P").stdout.strip()
     assert proxy == services.apt_proxy_url()
     res = ssh(addr, f"curl -fsS -m 60 -x {proxy} -o /dev/null -w '%{{http_code}}' "

@@ -12,6 +12,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
+import yaml
 
 from gpufleet.module_utils import gpu_facts as gf
 from gpufleet_lab import hwsim
@@ -460,3 +461,28 @@ def test_mi355x8_rocm_smi_agrees_with_amd_smi(host):
     facts = gf.gpu_facts(rocm_smi=out)
     assert (facts["count"], facts["gfx_target"], facts["memory_mib"]) == (8, "gfx950", 294896)
     assert not h.has("nvidia-smi")
+
+
+def test_nvidia_ctk_generates_a_cdi_spec_of_the_gpus_and_lists_its_devices(host):
+    h = host("h200x8")
+    spec = h.out("nvidia-ctk", "cdi", "generate")
+    spec_doc = yaml.safe_load(spec)
+    assert spec_doc["cdiVersion"] == "0.5.0" and spec_doc["kind"] == "nvidia.com/gpu"
+    names = [d["name"] for d in spec_doc["devices"]]
+    assert names == [str(i) for i in range(8)] + ["all"]
+    everything = spec_doc["devices"][-1]["containerEdits"]["deviceNodes"]
+    devices = h.read("/etc/gpufleet-lab/devices")
+    for node in everything + spec_doc["containerEdits"]["deviceNodes"]:
+        assert f"{node['path']} " in devices  # every node exists on the host
+    assert h.out("nvidia-ctk", "cdi", "list") == ""  # nothing installed yet
+    assert h.run("nvidia-ctk", "cdi", "generate", "--output=/etc/cdi/nvidia.yaml").returncode == 0
+    listed = h.out("nvidia-ctk", "cdi", "list").split()
+    assert listed == [f"nvidia.com/gpu={n}" for n in names]
+    assert h.out("nvidia-ctk", "--version").startswith("NVIDIA Container Toolkit CLI version")
+
+
+def test_nvidia_ctk_needs_the_driver_as_the_real_one_does(host):
+    h = host("h200x8")
+    assert h.run("modprobe", "-r", "nvidia").returncode == 0
+    proc = h.run("nvidia-ctk", "cdi", "generate")
+    assert proc.returncode == 1 and "failed to initialize NVML" in proc.stderr

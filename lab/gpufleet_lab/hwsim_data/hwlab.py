@@ -929,8 +929,93 @@ def modprobe(hw, args):
     return 0
 
 
+# ---------------------------------------------------------------- nvidia-ctk
+
+CTK_VERSION = "1.17.8"
+CDI_DIRS = ("/etc/cdi", "/var/run/cdi")
+CDI_NAME = re.compile(r'^- name: "?([^"\s]+)"?\s*$')
+CDI_KIND = re.compile(r"^kind: (\S+)\s*$")
+
+
+def cdi_spec(hw):
+    """The spec `nvidia-ctk cdi generate` writes (CDI 0.5.0): one device per GPU and `all`,
+    the control nodes for every container, and the driver's tools mounted in (here: the
+    simulated nvidia-smi and what it reads, as the real toolkit mounts the real one)."""
+    def nodes(paths, indent):
+        return "".join(f"{indent}- path: {p}\n" for p in paths)
+    gpus = [f"/dev/nvidia{g['minor']}" for g in hw["gpus"]]
+    out = ["---\ncdiVersion: 0.5.0\nkind: nvidia.com/gpu\ndevices:\n"]
+    for g in hw["gpus"]:
+        out.append(f'- name: "{g["index"]}"\n  containerEdits:\n    deviceNodes:\n'
+                   + nodes([f"/dev/nvidia{g['minor']}"], "    "))
+    out.append("- name: all\n  containerEdits:\n    deviceNodes:\n" + nodes(gpus, "    "))
+    mounts = ["/usr/bin/nvidia-smi", "/usr/lib/gpufleet-lab", "/etc/gpufleet-lab"]
+    out.append("containerEdits:\n  env:\n  - NVIDIA_VISIBLE_DEVICES=void\n  deviceNodes:\n"
+               + nodes(["/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"], "  ")
+               + "  mounts:\n" + "".join(
+                   f"  - hostPath: {m}\n    containerPath: {m}\n"
+                   "    options: [ro, nosuid, nodev, bind]\n" for m in mounts))
+    return "".join(out)
+
+
+def cdi_devices():
+    """Fully qualified device names of the specs in the CDI directories."""
+    names = []
+    for d in CDI_DIRS:
+        try:
+            files = sorted(os.listdir(path(d)))
+        except OSError:
+            continue
+        for name in files:
+            if not name.endswith((".yaml", ".yml", ".json")):
+                continue
+            kind = None
+            for line in read(os.path.join(d, name)).splitlines():
+                m = CDI_KIND.match(line)
+                if m:
+                    kind = m.group(1)
+                m = CDI_NAME.match(line)
+                if m and kind:
+                    names.append(f"{kind}={m.group(1)}")
+    return names
+
+
+def nvidia_ctk(hw, args):
+    if args[:1] in (["--version"], ["-v"]):
+        sys.stdout.write(f"NVIDIA Container Toolkit CLI version {CTK_VERSION}\ncommit: lab\n")
+        return 0
+    if args[:2] == ["cdi", "generate"]:
+        if "nvidia" not in loaded_modules():
+            sys.stderr.write("ERRO[0000] failed to generate CDI spec: failed to create device CDI "
+                             "specs: failed to initialize NVML: ERROR_LIBRARY_NOT_FOUND\n")
+            return 1
+        output = None
+        rest = args[2:]
+        for i, a in enumerate(rest):
+            if a.startswith("--output="):
+                output = a.split("=", 1)[1]
+            elif a == "--output" and i + 1 < len(rest):
+                output = rest[i + 1]
+        spec = cdi_spec(hw)
+        if output:
+            write(output, spec)
+            sys.stderr.write(f'INFO[0000] Generated CDI spec with version 0.5.0\n'
+                             f'INFO[0000] Wrote CDI spec to "{output}"\n')
+        else:
+            sys.stdout.write(spec)
+        return 0
+    if args[:2] == ["cdi", "list"]:
+        names = cdi_devices()
+        sys.stderr.write(f"INFO[0000] Found {len(names)} CDI devices\n")
+        sys.stdout.write("".join(n + "\n" for n in names))
+        return 0
+    sys.stderr.write(f"nvidia-ctk: unsupported here (gpufleet lab): {' '.join(args)}\n")
+    return 2
+
+
 TOOLS = {
     "nvidia-smi": nvidia_smi,
+    "nvidia-ctk": nvidia_ctk,
     "nv-fabricmanager": nv_fabricmanager,
     "nvlsm": nvlsm,
     "nvidia-imex": nvidia_imex,

@@ -571,6 +571,7 @@ def _containers(plan: Plan, image: cat.Image, ov: Overrides, catalog) -> None:
             "devices": devices, "rdma": rdma, "cap_add": ["IPC_LOCK"] if rdma else [],
             "network": "host", "ipc": "host", "memlock": "unlimited", "mounts": mounts,
             "sitecustomize": image.sitecustomize if p.is_engine else None,
+            "overlay_dir": OVERLAY_DIR if p.is_engine and image.sitecustomize else None,
             "group_add": [], "security_opt": [], **extra,
         }
     if "@sha256:" not in image.ref:

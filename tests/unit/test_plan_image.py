@@ -47,6 +47,7 @@ def test_engines_get_the_gpus_the_cache_read_only_and_002s_overlay():
         assert {"source": cache, "target": cache, "read_only": True} in c["mounts"]
         assert p.env["HF_HUB_OFFLINE"] == "1"
         assert c["sitecustomize"] == "sitecustomize_no_cudnn.py"
+        assert c["overlay_dir"] == OVERLAY_DIR == p.env["PYTHONPATH"]
         assert p.env["PYTHONPATH"] == OVERLAY_DIR
         assert (c["network"], c["ipc"], c["memlock"]) == ("host", "host", "unlimited")
     router = plan.by_role("router")[0]

@@ -26,10 +26,10 @@ the registry has (blobs are checked by digest first).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import http.client
 import json
-import shutil
 import subprocess
 import tarfile
 import tempfile
@@ -53,7 +53,6 @@ BASE_SKIP = ("dev/", "proc/", "sys/", "run/", "tmp/", "var/tmp/", "var/cache/apt
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 OCI_CONFIG = "application/vnd.oci.image.config.v1+json"
 OCI_LAYER = "application/vnd.oci.image.layer.v1.tar"
-FAULT_VARIANTS = ("flashinfer-old",)
 
 
 def log(msg: str) -> None:
@@ -94,6 +93,12 @@ def _tar(out: Path, top: Path, keep) -> str:
     accepts; its digest."""
     tmp = out.with_suffix(".part")
     with tarfile.open(tmp, "w", format=tarfile.PAX_FORMAT) as tar:
+        def children(path: Path, rel: str) -> None:
+            for child in sorted(path.iterdir()):
+                child_rel = f"{rel}/{child.name}" if rel else child.name
+                if keep(child_rel + ("/" if child.is_dir() and not child.is_symlink() else "")):
+                    add(child, child_rel)
+
         def add(path: Path, rel: str) -> None:
             info = tar.gettarinfo(str(path), rel)
             info.mtime, info.uname, info.gname = 0, "", ""
@@ -103,13 +108,9 @@ def _tar(out: Path, top: Path, keep) -> str:
             else:
                 tar.addfile(info)
             if info.isdir():
-                for child in sorted(path.iterdir()):
-                    child_rel = f"{rel}/{child.name}" if rel != "." else child.name
-                    if keep(child_rel + ("/" if child.is_dir() and not child.is_symlink() else "")):
-                        add(child, child_rel)
-        for child in sorted(top.iterdir()):
-            if keep(child.name + ("/" if child.is_dir() and not child.is_symlink() else "")):
-                add(child, child.name)
+                children(path, rel)
+
+        children(top, "")
     tmp.rename(out)
     digest = _sha256(out)
     out.with_suffix(".sha256").write_text(digest + "\n")
@@ -228,24 +229,13 @@ def _push_blob(repo: str, digest: str, path: Path | None = None, data: bytes | N
     location = location.split(f":{services.REGISTRY_PORT}", 1)[-1]
     sep = "&" if "?" in location else "?"
     size = path.stat().st_size if path else len(data)
-    with open(path, "rb") if path else _nullctx(data) as body:
+    with open(path, "rb") if path else contextlib.nullcontext(data) as body:
         res = _request("PUT", f"{location}{sep}digest={digest}", body=body,
                        headers={"Content-Type": "application/octet-stream",
                                 "Content-Length": str(size)})
         res.read()
     if res.status != 201:
         raise LabError(f"registry: upload of {digest} to {repo} failed (HTTP {res.status})")
-
-
-class _nullctx:
-    def __init__(self, data):
-        self.data = data
-
-    def __enter__(self):
-        return self.data
-
-    def __exit__(self, *exc):
-        return False
 
 
 def push(repo: str, tag: str, layers: list[tuple[Path, str]], label: str = "") -> str:
@@ -287,7 +277,7 @@ def registry_path(ref: str) -> tuple[str, str]:
 
 def ensure(engines: list[str] | None = None, variants: tuple[str, ...] = ()) -> dict[str, str]:
     """Every image the catalog names for ENGINES (all when None), its -rebuilt twin and the
-    fault VARIANTS (of FAULT_VARIANTS) in the lab's registry; ref -> digest."""
+    fault VARIANTS (lab lock variants: flashinfer-old) in the lab's registry; ref -> digest."""
     if not all(services.running().get(n) for n in ("registry", "wheels")):
         raise LabError("the lab's registry is not running: run `fab lab.up` first")
     IMAGE_DIR.mkdir(parents=True, exist_ok=True)
@@ -304,7 +294,3 @@ def ensure(engines: list[str] | None = None, variants: tuple[str, ...] = ()) -> 
         log(f"{ref}: {out[ref]}")
     return out
 
-
-def purge() -> None:
-    """Forget the cached layers (the registry keeps what it has until lab.down --purge)."""
-    shutil.rmtree(IMAGE_DIR, ignore_errors=True)

@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from gpufleet.ansible_plugins.filter.container import image_digests, pinned, podman_argv
+from gpufleet.ansible_plugins.filter.container import (
+    image_digests,
+    pinned,
+    podman_argv,
+    podman_run_flags,
+)
 from gpufleet.model import image_repository
 from gpufleet.plan import make_plan
 
@@ -113,3 +118,15 @@ def test_digests_are_read_from_each_hosts_record():
     assert image_digests_of([host("a", DIGEST), host("b", DIGEST), host("c", other, False)]) == []
     problems = image_digests_of([host("prefill-host", DIGEST), host("decode-host", other)])
     assert "prefill-host run " + DIGEST in problems[0] and "decode-host run " + other in problems[0]
+
+
+def test_check_containers_get_what_the_engines_get_but_no_unit_flags():
+    for proc in _procs("sglang-h200-pd"):
+        unit = podman_run_flags(proc["container"], proc["env"], "disabled")
+        check = podman_run_flags(proc["container"], (), "disabled", unit=False)
+        only_unit = {"--replace", f"--name={proc['container']['name']}", "--sdnotify=conmon",
+                     "--log-driver=passthrough"}
+        assert only_unit <= set(unit) and not only_unit & set(check)
+        assert [f for f in unit if f not in only_unit and not f.startswith("--env")] == check
+        parse = podman_run_flags(proc["container"], (), "disabled", unit=False, devices=False)
+        assert [f for f in check if not f.startswith(("--device", "--cap-add"))] == parse

@@ -1,5 +1,5 @@
-"""Filters for the image runtime: a process's `podman run` command line, the repository of
-an image reference, and the deploy-wide check that the hosts of one engine run one digest.
+"""Filters for the image runtime: a process's `podman run` command line, the pinned
+reference of an image, and the deploy-wide check that the hosts of one engine run one digest.
 
 The plan says what each container gets (docs/plan.md, processes[*].container); these turn it
 into podman's flags in one place, so the unit, the checks before start and the tests agree.
@@ -23,8 +23,12 @@ def pinned(ref: str, digest: str) -> str:
 
 
 def podman_run_flags(container: dict, env_names=(), cgroups: str = "enabled",
-                     ucx: bool = False) -> list[str]:
-    """The flags every container of the plan gets, without image and command.
+                     ucx: bool = False, unit: bool = True, devices: bool = True) -> list[str]:
+    """The flags every container of the plan gets, without image and command. `unit`:
+    also what only a unit's container needs (its name, readiness through conmon, logs to
+    the journal); off for the one-off containers that check the image before any unit
+    changes. `devices`: the plan's devices and the capabilities that go with them (off for
+    a check that needs neither, the dry parse).
 
     - host network and IPC (the engines' ports, NCCL's and NIXL's shared memory);
     - `--ulimit=host`: the unit's limits (LimitMEMLOCK=infinity where the plan moves data
@@ -35,15 +39,18 @@ def podman_run_flags(container: dict, env_names=(), cgroups: str = "enabled",
       whose names the plan does not list);
     - `--cgroups=disabled` where the host's cgroups cannot be delegated (podman.json).
     """
-    flags = [
-        "--rm", "--replace", f"--name={container['name']}",
-        "--sdnotify=conmon", "--init", "--pull=never", "--log-driver=passthrough",
-        f"--network={container['network']}", f"--ipc={container['ipc']}", "--ulimit=host",
-    ]
+    flags = ["--rm"]
+    if unit:
+        flags += ["--replace", f"--name={container['name']}", "--sdnotify=conmon"]
+    flags += ["--init", "--pull=never"]
+    if unit:
+        flags.append("--log-driver=passthrough")
+    flags += [f"--network={container['network']}", f"--ipc={container['ipc']}", "--ulimit=host"]
     if cgroups == "disabled":
         flags.append("--cgroups=disabled")
-    flags += [f"--device={d}" for d in container.get("devices", [])]
-    flags += [f"--cap-add={c}" for c in container.get("cap_add", [])]
+    if devices:
+        flags += [f"--device={d}" for d in container.get("devices", [])]
+        flags += [f"--cap-add={c}" for c in container.get("cap_add", [])]
     flags += [f"--group-add={g}" for g in container.get("group_add", [])]
     flags += [f"--security-opt={s}" for s in container.get("security_opt", [])]
     for m in container.get("mounts", []):
@@ -111,8 +118,6 @@ class FilterModule:
         return {
             "gpufleet_podman_argv": podman_argv,
             "gpufleet_podman_run_flags": podman_run_flags,
-            "gpufleet_image_repository": image_repository,
             "gpufleet_image_pinned": pinned,
-            "gpufleet_image_digests": image_digests,
             "gpufleet_image_digests_of": image_digests_of,
         }

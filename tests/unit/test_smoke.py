@@ -257,7 +257,8 @@ def test_replicas_every_url_is_checked_and_a_bad_one_is_named(flash, capsys):
     assert both["ok"] and [e["url"] for e in both["endpoints"]] == [flash.url + "/v1",
                                                                    flash.url + "/v1/"]
     assert [c["status"] for e in both["endpoints"] for c in e["checks"]] == ["ok"] * 4
-    assert smoke.main(["--url", flash.url + "/v1", "--url", bad, *base]) == 1
+    # --settle 3: the dead URL is waited for (refused connections are retried) 3 s, not 90
+    assert smoke.main(["--url", flash.url + "/v1", "--url", bad, *base, "--settle", "3"]) == 1
     out = capsys.readouterr()
     assert f"{flash.url}/v1\n" in out.out and f"{bad}\n" in out.out
     assert f"smoke: {bad}: models failed" in out.err

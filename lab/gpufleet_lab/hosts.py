@@ -411,6 +411,32 @@ def _kill(pids: list[int], timeout: float = 10.0) -> None:
         time.sleep(0.1)
 
 
+def controller_runs() -> list[int]:
+    """Controller processes that work on the lab: ansible-playbook runs against the lab's
+    inventory and their SSH connections (the lab's key). One whose test run or deploy was
+    killed keeps retrying the lab's addresses, and would reach the next lab's hosts.
+    `down` ends them (so does `up` when it rebuilds the lab)."""
+    mine = {os.getpid(), os.getppid()}
+    # any checkout's lab inventory: the lab's hosts are this machine's, whichever wrote it
+    ends = ("/" + str(INVENTORY.parent.relative_to(REPO)), "/" + str(INVENTORY.relative_to(REPO)))
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) in mine:
+            continue
+        try:
+            argv = [a.decode(errors="replace") for a in
+                    (entry / "cmdline").read_bytes().split(b"\0") if a]
+            cwd = os.readlink(entry / "cwd")
+        except OSError:
+            continue
+        lab_ssh = any(str(SSH_KEY) in a for a in argv) and Path(argv[0]).name == "ssh"
+        playbook = any(Path(a).name == "ansible-playbook" for a in argv[:2]) and any(
+            os.path.normpath(os.path.join(cwd, a)).endswith(ends) for a in argv)
+        if lab_ssh or playbook:
+            found.append(int(entry.name))
+    return found
+
+
 def _umount_all() -> None:
     for _ in range(3):
         points = lab_mounts()
@@ -573,6 +599,10 @@ def hardware_of(profile: str) -> str:
     return max(names, key=len) if names else re.sub(r"x\d+$", "", profile)
 
 
+# faults start_host applies when the host boots (the others shape its simulated hardware)
+BOOT_FAULTS = ("no-ipc-lock",)
+
+
 def start_host(host: dict, hdir: Path, root: Path) -> int:
     merged = hdir / "root"
     subprocess.run(
@@ -601,7 +631,7 @@ def start_host(host: dict, hdir: Path, root: Path) -> int:
         # a host administers its own network namespace (nftables, as on a server), and its
         # engines' containers may lock memory for RDMA (fault no-ipc-lock: they may not)
         "--capability=" + ("CAP_NET_ADMIN" if "no-ipc-lock" in host.get("faults", [])
-                           else "CAP_NET_ADMIN,CAP_IPC_LOCK"),
+                           else "CAP_NET_ADMIN,CAP_IPC_LOCK"),  # BOOT_FAULTS
         "--resolv-conf=off",
         "--timezone=off",
         "--link-journal=no",
@@ -784,21 +814,30 @@ def up(
     return wanted
 
 
-def reboot(name: str) -> dict:
+def reboot(name: str, boot_faults: list[str] | None = None) -> dict:
     """Power a lab host off cleanly and boot it again from its own overlay, as a real
-    reboot would: what was installed and enabled on it stays."""
+    reboot would: what was installed and enabled on it stays. BOOT_FAULTS (when given):
+    the faults of how the host boots (BOOT_FAULTS) it has from now on, as a firmware or
+    kernel change would bring; the simulated hardware stays as `up` made it."""
+    unknown = sorted(set(boot_faults or []) - set(BOOT_FAULTS))
+    if unknown:
+        raise LabError(f"{', '.join(unknown)}: not a fault of how a host boots; "
+                       f"reboot takes {', '.join(BOOT_FAULTS)} (others: fab lab.up --fault)")
     check_prereqs()
     state = load_state()
     host = next((h for h in state["hosts"] if h["name"] == name), None)
     if host is None:
         raise LabError(f"no lab host {name!r}; hosts: "
                        f"{', '.join(h['name'] for h in state['hosts']) or 'none (lab is down)'}")
+    if boot_faults is not None:
+        host["faults"] = [f for f in host.get("faults", []) if f not in BOOT_FAULTS] + boot_faults
     _kill([host["pid"]], timeout=60)
     hdir = STATE_DIR / name
     subprocess.run(["umount", str(hdir / "root")], capture_output=True, check=False)
     root = Path(state["root"]) if state.get("root") else ensure_root()
     host["pid"] = start_host(host, hdir, root)
     save_state(state)
+    write_inventory(state["hosts"])  # lab_faults
     wait_ready([host])
     log(f"{name} rebooted")
     return host
@@ -807,6 +846,7 @@ def reboot(name: str) -> dict:
 def down() -> None:
     """Stop every lab host and service; leave only the blackhole route (and nft guard)."""
     check_prereqs()
+    _kill(controller_runs(), timeout=5)
     _kill(nspawn_pids())
     for pid in container_inits():  # orphans of a killed nspawn; killing PID 1 ends its ns
         with contextlib.suppress(ProcessLookupError):

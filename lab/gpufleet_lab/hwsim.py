@@ -290,6 +290,13 @@ def devices(hw: dict) -> list[tuple[str, int, int]]:
     return nodes
 
 
+AMD_CONTAINERS_CONF = "/etc/containers/containers.conf.d/90-gpufleet-lab-gpus.conf"
+AMD_CONTAINERS = f"""# gpufleet lab: the simulated GPUs, seen by every container (hwsim.py)
+[containers]
+volumes = ["{LAB}:{LAB}:ro", "{LIB}:{LIB}:ro"]
+"""
+
+
 def render(profile: str, faults: list[str], hostname: str) -> dict[str, tuple[bytes, int]]:
     """Files for one lab host: ``{absolute path: (content, mode)}``."""
     hw = build_hw(profile, list(faults), hostname)
@@ -327,6 +334,11 @@ def render(profile: str, faults: list[str], hostname: str) -> dict[str, tuple[by
         tools.update(AMD_TOOLS)
         rocm = hw["rocm"]
         files["/opt/rocm/.info/version"] = (f"{rocm['version']}-{rocm['build']}\n".encode(), 0o644)
+        # a ROCm container given /dev/kfd and /dev/dri finds its GPUs in the host's sysfs
+        # (the KFD topology), which every container sees; here that is the simulated
+        # hardware, mounted into each container podman runs on the host (NVIDIA hosts get
+        # it through the CDI spec, as the real toolkit mounts the driver's files)
+        files[AMD_CONTAINERS_CONF] = (AMD_CONTAINERS.encode(), 0o644)
     for path, tool in tools.items():
         files[path] = (WRAPPER.format(tool=tool, lib=LIB.lstrip("/")).encode(), 0o755)
     if hw["cpu_arch"] != platform.machine():

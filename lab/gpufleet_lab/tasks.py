@@ -62,10 +62,13 @@ def down(c):
     _guard(lab_hosts.down)
 
 
-@task(help={"host": "lab host name, e.g. lab1"})
-def reboot(c, host):
+@task(help={"host": "lab host name, e.g. lab1",
+            "fault": "boot with this fault from now on (no-ipc-lock); 'none': without"},
+      iterable=["fault"])
+def reboot(c, host, fault=None):
     """Reboot one lab host (clean power-off, then boot from its own disk again)."""
-    _guard(lab_hosts.reboot, host)
+    faults = None if not fault else [f for f in fault if f != "none"]
+    _guard(lab_hosts.reboot, host, faults)
 
 
 @task(help={"host": "lab host name, e.g. lab1", "user": "login user (root or labadmin)"})

@@ -11,6 +11,7 @@ import hashlib
 import os
 import signal
 import subprocess
+import sys
 import time
 import zipfile
 from pathlib import Path
@@ -231,7 +232,21 @@ def test_up_is_idempotent(lab):
     assert before == after and len(after[0]) == 2
 
 
-def test_up_cleans_up_after_a_killed_lab(lab):
+def _playbook_run(tmp_path, inventory: str) -> subprocess.Popen:
+    """A stand-in for an `ansible-playbook -i INVENTORY` run whose parent went away."""
+    prog = tmp_path / "bin" / "ansible-playbook"
+    prog.parent.mkdir(exist_ok=True)
+    prog.write_text("import time\ntime.sleep(600)\n")
+    (tmp_path / "checkout").mkdir(exist_ok=True)
+    return subprocess.Popen([sys.executable, str(prog), "-i", inventory, "site.yml"],
+                            cwd=tmp_path / "checkout", start_new_session=True)
+
+
+def test_up_cleans_up_after_a_killed_lab(lab, tmp_path):
+    # a deploy against the lab from a killed run (any checkout's lab inventory), and one
+    # against another inventory, which is none of the lab's business
+    orphan = _playbook_run(tmp_path, "inventories/lab")
+    other = _playbook_run(tmp_path, "inventories/site-a")
     killed = lab_hosts.nspawn_pids()
     for pid in killed:
         os.kill(pid, signal.SIGKILL)
@@ -248,6 +263,12 @@ def test_up_cleans_up_after_a_killed_lab(lab):
     for host in up:
         assert ssh(host["address"], "systemctl is-system-running", check=False).stdout.strip() in (
             "running", "degraded")  # fmt: skip
+    try:
+        assert orphan.wait(timeout=10) is not None
+        assert other.poll() is None, "a run against another inventory was ended"
+    finally:
+        other.kill()
+        orphan.kill()
 
 
 def test_down_leaves_nothing_but_the_blackhole_route(lab):

@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 import time
+import tomllib
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -486,3 +487,19 @@ def test_nvidia_ctk_needs_the_driver_as_the_real_one_does(host):
     assert h.run("modprobe", "-r", "nvidia").returncode == 0
     proc = h.run("nvidia-ctk", "cdi", "generate")
     assert proc.returncode == 1 and "failed to initialize NVML" in proc.stderr
+
+
+@pytest.mark.parametrize("profile", ["mi355x8", "h200x8"])
+def test_containers_see_the_simulated_gpus_on_amd_hosts_only(profile):
+    """AMD: a containers.conf drop-in mounts the simulated hardware into every container
+    (a ROCm container reads the host's sysfs); NVIDIA hosts get it from the CDI spec, and a
+    second mount of the same path would make podman refuse the container."""
+    files = hwsim.render(profile, [], "lab1")
+    conf = files.get(hwsim.AMD_CONTAINERS_CONF)
+    if profile.startswith("mi"):
+        volumes = tomllib.loads(conf[0].decode())["containers"]["volumes"]
+        assert volumes == [f"{hwsim.LAB}:{hwsim.LAB}:ro", f"{hwsim.LIB}:{hwsim.LIB}:ro"]
+        assert any(p == "/dev/kfd" for p, _, _ in hwsim.devices(
+            hwsim.build_hw(profile, [], "lab1")))
+    else:
+        assert conf is None

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import pytest
-from labutil import changed_tasks, playbook, recap, ssh
+from labutil import changed_tasks, fab, playbook, recap, ssh
 
+from gpufleet_lab import hosts as lab_hosts
 from gpufleet_lab import images as lab_images
 
 # slow (./scripts/test --slow): the stand-in images and this module's deploys add about 12
@@ -141,6 +143,35 @@ def test_a_new_digest_restarts_exactly_the_units_that_run_it(deployed):
         lab_images.ensure(engines=["vllm"])  # the tag back on the stand-in build
 
 
+def test_rolling_restart_a_killed_engine_and_health_work_as_for_venv_units(deployed):
+    before = main_pids("lab1")
+    proc = fab("restart", "--role", "decode", "--target", TARGET)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    after = main_pids("lab1")
+    assert {u for u in after if after[u] != before[u]} == {"gpufleet-decode.service"}
+    # kill -9 of the engine inside its container (the child of the container's init):
+    # the container ends, so does the unit, and systemd starts it again
+    init = ssh("lab1", "podman inspect --format '{{.State.Pid}}' gpufleet-prefill", check=True)
+    ssh("lab1", f"pkill -KILL -P {init.strip()}", check=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        now = main_pids("lab1")["gpufleet-prefill.service"]
+        state = ssh("lab1", "systemctl is-active gpufleet-prefill.service").strip()
+        if now not in ("0", after["gpufleet-prefill.service"]) and state == "active":
+            break
+        time.sleep(2)
+    else:
+        raise AssertionError(ssh("lab1", "systemctl status gpufleet-prefill.service"))
+    restarts = ssh("lab1", "systemctl show -p NRestarts --value gpufleet-prefill.service")
+    assert int(restarts) >= 1, restarts
+    proc = fab("health", "--target", TARGET)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    path = "/var/lib/node_exporter/textfile_collector/gpufleet.prom"
+    metrics = ssh("lab1", f"cat {path}", check=True)
+    assert 'gpufleet_health_check_ok{check="generate",unit="gpufleet-router.service"} 1' \
+        in metrics, metrics
+
+
 def test_teardown_removes_containers_and_units_and_keeps_the_image(deployed):
     proc = playbook("-i", "inventories/lab", "playbooks/teardown.yml",
                     "-e", f"gpufleet_target={TARGET}", "-e", "gpufleet_runtime=image")
@@ -151,3 +182,123 @@ def test_teardown_removes_containers_and_units_and_keeps_the_image(deployed):
         assert ours.strip() == "", ours
         kept = ssh(host, "podman images --format '{{.Repository}}:{{.Tag}}'")
         assert REF.split("/", 1)[1] in kept, kept
+
+
+# SGLang prefill/decode over Mooncake across lab1 and lab2 (004: on H200 the containers need
+# the HCAs and IPC_LOCK, or Mooncake silently falls back to TCP), then Dynamo's h200-disagg
+# (NIXL over RDMA) on the same hosts.
+SGLANG = "sglang-h200-pd"
+SGLANG_REF = "docker.io/lmsysorg/sglang:latest"
+PD_HOSTS = {"lab1": "gpufleet-prefill", "lab2": "gpufleet-decode"}
+
+
+def deploy(target: str, *extra: str):
+    return playbook("-i", "inventories/lab", "site.yml", "-e", f"gpufleet_target={target}",
+                    "-e", "gpufleet_runtime=image", *extra)
+
+
+@pytest.fixture(scope="module")
+def sglang_deployed(lab):
+    lab_images.ensure(engines=["sglang"])
+    proc = deploy(SGLANG)
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    return proc
+
+
+def test_sglang_pd_containers_get_the_hcas_and_ipc_lock(sglang_deployed):
+    assert "smoke" in sglang_deployed.stdout.lower()
+    for host, name in PD_HOSTS.items():
+        unit = name + ".service"
+        start = ssh(host, f"systemctl show -p ExecStart --value {unit}", check=True)
+        assert "--device=/dev/infiniband" in start and "--cap-add=IPC_LOCK" in start, start
+        assert ssh(host, f"systemctl is-active {unit}").strip() == "active"
+        verbs = ssh(host, f"podman exec {name} ls /dev/infiniband", check=True).split()
+        assert any(v.startswith("uverbs") for v in verbs), verbs
+        cap = ssh(host, f"podman exec {name} grep CapEff /proc/1/status", check=True)
+        assert int(cap.split()[1], 16) >> 14 & 1, cap  # CAP_IPC_LOCK
+    # the router moves no KV: no HCAs for it
+    router = ssh("lab1", "systemctl show -p ExecStart --value gpufleet-router.service", check=True)
+    assert "/dev/infiniband" not in router and "IPC_LOCK" not in router, router
+
+
+def test_hosts_that_pulled_different_digests_are_refused_naming_both(sglang_deployed):
+    """lab2's registries send the tag to a rebuild (another digest), as a tag moved between
+    two hosts' pulls would; lab2 pulls again (its record gone): the deploy stops before any
+    unit changes and names both digests."""
+    repo, _ = lab_images.registry_path(SGLANG_REF)
+    dropin = "/etc/containers/registries.conf.d/60-test-rebuilt.conf"
+    record = "/var/lib/gpufleet/state/image.json"
+    ssh("lab2", f"printf '[[registry]]\\nprefix = \"docker.io/{repo}\"\\n"
+                f"location = \"10.213.77.1:5000/{repo}-rebuilt\"\\ninsecure = true\\n' > {dropin}"
+                f" && rm {record}", check=True)
+    try:
+        before = {h: main_pids(h) for h in PD_HOSTS}
+        units_before = {h: unit_files(h) for h in PD_HOSTS}
+        proc = deploy(SGLANG)
+        assert proc.returncode != 0, proc.stdout[-4000:]
+        digests = {h: json.loads(ssh(h, f"cat {record}", check=True))["digest"] for h in PD_HOSTS}
+        assert digests["lab1"] != digests["lab2"], digests
+        text = said(proc)
+        assert f"the hosts of sglang pulled different images for {SGLANG_REF}" in text, text[-3000:]
+        assert f"lab1 run {digests['lab1']}" in text and f"lab2 run {digests['lab2']}" in text
+        assert "Fix: pin one digest" in text
+        assert "TASK [serve" not in proc.stdout
+        assert {h: main_pids(h) for h in PD_HOSTS} == before
+        assert {h: unit_files(h) for h in PD_HOSTS} == units_before
+    finally:
+        ssh("lab2", f"rm -f {dropin} {record}", check=True)
+    again = deploy(SGLANG)
+    assert again.returncode == 0, again.stdout[-4000:]
+
+
+def test_dynamo_over_rdma_is_refused_where_containers_cannot_lock_memory_then_serves(
+        sglang_deployed):
+    lab_images.ensure(engines=["dynamo"])
+    lab_hosts.reboot("lab2", boot_faults=["no-ipc-lock"])
+    try:
+        proc = deploy("h200-disagg")
+        assert proc.returncode != 0, proc.stdout[-4000:]
+        text = said(proc)
+        assert "lab2: a container given /dev/infiniband and IPC_LOCK sees" in text, text[-3000:]
+        assert "lacks CAP_IPC_LOCK" in text and "silently fall back to TCP" in text
+        assert "TASK [serve" not in proc.stdout
+    finally:
+        lab_hosts.reboot("lab2", boot_faults=[])
+    proc = deploy("h200-disagg")
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    assert "smoke" in proc.stdout.lower()
+    for host, name in PD_HOSTS.items():
+        start = ssh(host, f"systemctl show -p ExecStart --value {name}.service", check=True)
+        assert "docker.io/vllm/vllm-openai@sha256:" in start and "--cap-add=IPC_LOCK" in start
+    # the SGLang units the plan no longer has are gone, their containers with them
+    assert "sglang" not in ssh("lab1", "podman ps --format '{{.Image}}'", check=True)
+    # the inventory says no runtime (this module chose it per run): teardown goes by what
+    # each host ran, and --purge-images removes the image each host pulled
+    proc = fab("teardown", "--target", "h200-disagg", "--purge-images")
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    for host in PD_HOSTS:
+        assert ssh(host, "podman ps -a --format '{{.Names}}'", check=True).split() == []
+        kept = ssh(host, "podman images --format '{{.Repository}}'", check=True).split()
+        assert "docker.io/vllm/vllm-openai" not in kept, kept
+
+
+def test_amd_runs_sglang_from_the_rocm_image_by_default(lab):
+    """An MI355X host: no runtime named, the plan runs SGLang's ROCm image (PyPI serves no
+    ROCm build), the container gets /dev/kfd and /dev/dri, and the smoke test passes."""
+    lab_images.ensure(engines=["sglang"])
+    lab_hosts.up(hosts=1, profiles=["mi355x8"])
+    try:
+        proc = playbook("-i", "inventories/lab", "site.yml",
+                        "-e", "gpufleet_target=sglang-mi355x-balanced")
+        assert proc.returncode == 0, proc.stdout[-6000:]
+        assert "smoke" in proc.stdout.lower()
+        record = json.loads(ssh("lab1", "cat /var/lib/gpufleet/state/image.json", check=True))
+        assert record["ref"] == "docker.io/lmsysorg/sglang:v0.5.23-rocm720-mi35x", record
+        start = ssh("lab1", "systemctl show -p ExecStart --value gpufleet-worker.service",
+                    check=True)
+        assert "--device=/dev/kfd" in start and "--device=/dev/dri" in start, start
+        assert "nvidia.com/gpu" not in start
+        seen = ssh("lab1", "podman exec gpufleet-worker ls /dev/kfd /dev/dri", check=True)
+        assert "/dev/kfd" in seen and "renderD128" in seen, seen
+    finally:
+        lab_hosts.up(hosts=2)

@@ -130,3 +130,19 @@ def test_check_containers_get_what_the_engines_get_but_no_unit_flags():
         assert [f for f in unit if f not in only_unit and not f.startswith("--env")] == check
         parse = podman_run_flags(proc["container"], (), "disabled", unit=False, devices=False)
         assert [f for f in check if not f.startswith(("--device", "--cap-add"))] == parse
+
+
+def test_check_containers_leave_out_the_units_writable_state():
+    """Dynamo's file discovery is a writable mount serve makes; the checks before it (in
+    engine_runtime) run without it, and with every read-only mount (the cache)."""
+    for proc in _procs("h200-disagg"):
+        if not proc["container"]:
+            continue
+        mounts = proc["container"]["mounts"]
+        assert any(not m["read_only"] for m in mounts), mounts
+        unit = podman_run_flags(proc["container"], proc["env"], "enabled")
+        check = podman_run_flags(proc["container"], (), "enabled", unit=False)
+        for m in mounts:
+            flag = f"--volume={m['source']}:{m['target']}:{'ro' if m['read_only'] else 'rw'}"
+            assert flag in unit
+            assert (flag in check) == m["read_only"], (flag, check)

@@ -37,7 +37,9 @@ def podman_run_flags(container: dict, env_names=(), cgroups: str = "enabled",
       value (a token) is ever on a command line;
     - `--env=UCX_*` where the process reads the host's UCX settings (the ucx role's file,
       whose names the plan does not list);
-    - `--cgroups=disabled` where the host's cgroups cannot be delegated (podman.json).
+    - `--cgroups=disabled` where the host's cgroups cannot be delegated (podman.json);
+    - the plan's mounts; a check container (not `unit`) gets only the read-only ones: the
+      writable ones are the units' state, which serve makes after the checks passed.
     """
     flags = ["--rm"]
     if unit:
@@ -54,6 +56,8 @@ def podman_run_flags(container: dict, env_names=(), cgroups: str = "enabled",
     flags += [f"--group-add={g}" for g in container.get("group_add", [])]
     flags += [f"--security-opt={s}" for s in container.get("security_opt", [])]
     for m in container.get("mounts", []):
+        if not unit and not m["read_only"]:
+            continue  # a unit's own state (serve makes it); a check writes nothing there
         flags.append(f"--volume={m['source']}:{m['target']}:{'ro' if m['read_only'] else 'rw'}")
     flags += [f"--env={name}" for name in sorted(env_names)]
     if ucx:

@@ -9,9 +9,35 @@ fix in the message rather than skipping them.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from gpufleet_lab import hosts as lab_hosts
+
+# The modules' order. The lab stays up between modules with what the last one left, so the
+# modules that deploy h200-pd-1node with the inventory's settings and leave it serving run
+# one after the other: the first deploys (security's, verbose, so that its key check
+# reads a first deploy's output), the next ones' deploys are re-runs that change nothing.
+# Then the modules that deploy other targets, rebuild the lab with faults or take it down.
+# Modules not named run last, in name order.
+ORDER = ("test_a_fresh_machine", "test_security", "test_bad_inputs", "test_drift",
+         "test_dry_parse_lab", "test_faults_serving", "test_deploy", "test_cache_lab",
+         "test_firewall", "test_faults_deploy", "test_prepare", "test_prepare_faults",
+         "test_prepare_profiles", "test_lab_hosts")
+
+
+def pytest_collection_modifyitems(items):
+    here = Path(__file__).parent
+    rank = {name: i for i, name in enumerate(ORDER)}
+
+    def key(item):
+        path = Path(str(item.fspath))
+        if path.parent != here:
+            return (0, 0)  # other directories' tests keep their place, first
+        return (1, rank.get(path.stem, len(ORDER)))
+
+    items.sort(key=key)  # stable: a module's tests keep their order
 
 
 @pytest.fixture(scope="session")

@@ -2,10 +2,14 @@
 under the seeds' names, in the controller's registry, the hosts' mirror) by podman under
 systemd, GPUs by CDI.
 
-One deployment of h200-pd-1node (a replica on each lab host) is shared by the module: the
-smoke test passes, a re-run changes nothing and restarts nothing, a new digest of the
-image restarts exactly the units that run it, each fault is refused with its fix before
-any unit changes, and teardown removes the containers and keeps the image.
+First one deployment of h200-pd-1node (vLLM, lab1) shared by its tests: the smoke test
+passes, a re-run changes nothing and restarts nothing, each fault is refused with its fix
+before any unit changes, a new digest restarts exactly the units that run it, rolling
+restart, a killed engine and health work as for venv units, and teardown removes the
+containers and keeps the image. Then SGLang prefill/decode over RDMA on lab1 and lab2
+(HCAs and IPC_LOCK in the containers; hosts with different digests refused), Dynamo's
+h200-disagg (refused on a host that cannot lock memory, then served; teardown purging the
+image), and an MI355X host running SGLang's ROCm image by default.
 """
 
 from __future__ import annotations
@@ -20,8 +24,9 @@ from labutil import changed_tasks, fab, playbook, recap, ssh
 from gpufleet_lab import hosts as lab_hosts
 from gpufleet_lab import images as lab_images
 
-# slow (./scripts/test --slow): the stand-in images and this module's deploys add about 12
-# minutes, more than .ci/run's budget holds beside the venv runtime's suite today
+# slow (./scripts/test --slow): the stand-in images and this module's deploys take about 17
+# minutes (25 with the images built from nothing), more than .ci/run's hour holds beside
+# the venv runtime's suite
 pytestmark = [pytest.mark.lab, pytest.mark.slow]
 
 TARGET = "h200-pd-1node"

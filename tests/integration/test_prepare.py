@@ -72,8 +72,11 @@ def test_prepare_converges_and_leaves_real_state(converged):
     assert 'UCX_NET_DEVICES="all"' in ssh("lab1", "cat /etc/gpufleet/ucx.env")
 
 
-# Names and times of apt's lists: `apt-get update` rewrites them even when nothing is new.
-APT_LISTS = "ls -l --time-style=+%s /var/lib/apt/lists"
+# What is in apt's lists directory, by name, size and mtime: `apt-get update` works in
+# `partial/` (its mtime moves even when every list was current) and rewrites the lists that
+# changed. Not `ls -l`, whose block total moved once on a run that updated nothing.
+APT_LISTS = ("find /var/lib/apt/lists -mindepth 1 -maxdepth 1 -printf '%P %s %T@\\n'"
+             " | sort")
 
 
 def test_rerun_changes_nothing(converged):

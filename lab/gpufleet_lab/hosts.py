@@ -599,8 +599,12 @@ def hardware_of(profile: str) -> str:
     return max(names, key=len) if names else re.sub(r"x\d+$", "", profile)
 
 
-# faults start_host applies when the host boots (the others shape its simulated hardware)
-BOOT_FAULTS = ("no-ipc-lock",)
+# Faults of how a host boots, applied by start_host (the others shape its simulated
+# hardware): each withholds a capability the host otherwise boots with.
+BOOT_FAULTS = {"no-ipc-lock": "CAP_IPC_LOCK"}
+# a host administers its own network namespace (nftables, as on a server), and its
+# engines' containers may lock memory for RDMA
+CAPABILITIES = ("CAP_NET_ADMIN", "CAP_IPC_LOCK")
 
 
 def start_host(host: dict, hdir: Path, root: Path) -> int:
@@ -628,10 +632,9 @@ def start_host(host: dict, hdir: Path, root: Path) -> int:
         "--register=no",
         "--keep-unit",
         f"--network-namespace-path=/run/netns/{net.host_ns(host['name'])}",
-        # a host administers its own network namespace (nftables, as on a server), and its
-        # engines' containers may lock memory for RDMA (fault no-ipc-lock: they may not)
-        "--capability=" + ("CAP_NET_ADMIN" if "no-ipc-lock" in host.get("faults", [])
-                           else "CAP_NET_ADMIN,CAP_IPC_LOCK"),  # BOOT_FAULTS
+        "--capability=" + ",".join(
+            c for c in CAPABILITIES
+            if c not in {BOOT_FAULTS.get(f) for f in host.get("faults", [])}),
         "--resolv-conf=off",
         "--timezone=off",
         "--link-journal=no",

@@ -35,9 +35,16 @@ HOSTS = ("lab1",)  # the target's one node
 ENGINES = ("gpufleet-prefill.service", "gpufleet-decode.service", "gpufleet-router.service")
 
 
-def site(*extra: str):
-    return playbook("-i", "inventories/lab", "site.yml", "-e", f"gpufleet_target={TARGET}",
+RECORD = "/var/lib/gpufleet/state/image.json"  # engine_runtime's record of the pull
+
+
+def deploy(target: str, *extra: str):
+    return playbook("-i", "inventories/lab", "site.yml", "-e", f"gpufleet_target={target}",
                     "-e", "gpufleet_runtime=image", *extra)
+
+
+def site(*extra: str):
+    return deploy(TARGET, *extra)
 
 
 def said(proc) -> str:
@@ -65,7 +72,7 @@ def deployed(lab):
 
 
 def test_engines_run_in_containers_of_the_pinned_digest(deployed):
-    record = json.loads(ssh("lab1", "cat /var/lib/gpufleet/state/image.json", check=True))
+    record = json.loads(ssh("lab1", f"cat {RECORD}", check=True))
     assert record["ref"] == REF and record["digest"].startswith("sha256:")
     assert record["run"] == f"docker.io/vllm/vllm-openai@{record['digest']}"
     for unit in ENGINES:
@@ -138,7 +145,7 @@ def test_a_new_digest_restarts_exactly_the_units_that_run_it(deployed):
         pinned = f"docker.io/vllm/vllm-openai@{new}"
         proc = site("-e", json.dumps({"gpufleet_images": {"vllm": pinned}}))
         assert proc.returncode == 0, proc.stdout[-4000:]
-        record = json.loads(ssh("lab1", "cat /var/lib/gpufleet/state/image.json", check=True))
+        record = json.loads(ssh("lab1", f"cat {RECORD}", check=True))
         assert (record["digest"], record["run"]) == (new, pinned)
         after = main_pids("lab1")
         for unit in ENGINES:
@@ -197,11 +204,6 @@ SGLANG_REF = "docker.io/lmsysorg/sglang:latest"
 PD_HOSTS = {"lab1": "gpufleet-prefill", "lab2": "gpufleet-decode"}
 
 
-def deploy(target: str, *extra: str):
-    return playbook("-i", "inventories/lab", "site.yml", "-e", f"gpufleet_target={target}",
-                    "-e", "gpufleet_runtime=image", *extra)
-
-
 @pytest.fixture(scope="module")
 def sglang_deployed(lab):
     lab_images.ensure(engines=["sglang"])
@@ -232,16 +234,15 @@ def test_hosts_that_pulled_different_digests_are_refused_naming_both(sglang_depl
     unit changes and names both digests."""
     repo, _ = lab_images.registry_path(SGLANG_REF)
     dropin = "/etc/containers/registries.conf.d/60-test-rebuilt.conf"
-    record = "/var/lib/gpufleet/state/image.json"
     ssh("lab2", f"printf '[[registry]]\\nprefix = \"docker.io/{repo}\"\\n"
                 f"location = \"10.213.77.1:5000/{repo}-rebuilt\"\\ninsecure = true\\n' > {dropin}"
-                f" && rm {record}", check=True)
+                f" && rm {RECORD}", check=True)
     try:
         before = {h: main_pids(h) for h in PD_HOSTS}
         units_before = {h: unit_files(h) for h in PD_HOSTS}
         proc = deploy(SGLANG)
         assert proc.returncode != 0, proc.stdout[-4000:]
-        digests = {h: json.loads(ssh(h, f"cat {record}", check=True))["digest"] for h in PD_HOSTS}
+        digests = {h: json.loads(ssh(h, f"cat {RECORD}", check=True))["digest"] for h in PD_HOSTS}
         assert digests["lab1"] != digests["lab2"], digests
         text = said(proc)
         assert f"the hosts of sglang pulled different images for {SGLANG_REF}" in text, text[-3000:]
@@ -251,7 +252,7 @@ def test_hosts_that_pulled_different_digests_are_refused_naming_both(sglang_depl
         assert {h: main_pids(h) for h in PD_HOSTS} == before
         assert {h: unit_files(h) for h in PD_HOSTS} == units_before
     finally:
-        ssh("lab2", f"rm -f {dropin} {record}", check=True)
+        ssh("lab2", f"rm -f {dropin} {RECORD}", check=True)
     again = deploy(SGLANG)
     assert again.returncode == 0, again.stdout[-4000:]
 
@@ -297,7 +298,7 @@ def test_amd_runs_sglang_from_the_rocm_image_by_default(lab):
                         "-e", "gpufleet_target=sglang-mi355x-balanced")
         assert proc.returncode == 0, proc.stdout[-6000:]
         assert "smoke" in proc.stdout.lower()
-        record = json.loads(ssh("lab1", "cat /var/lib/gpufleet/state/image.json", check=True))
+        record = json.loads(ssh("lab1", f"cat {RECORD}", check=True))
         assert record["ref"] == "docker.io/lmsysorg/sglang:v0.5.23-rocm720-mi35x", record
         start = ssh("lab1", "systemctl show -p ExecStart --value gpufleet-worker.service",
                     check=True)

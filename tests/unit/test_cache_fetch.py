@@ -427,10 +427,12 @@ def test_bytes_damaged_in_transit_are_caught_and_fetched_again(mirror, tmp_path)
     # the hash is taken while the file is written: a flipped byte late in the file must
     # still fail verification, be retried, and never reach blobs/ or the snapshot
     mirror.set_cuts([Cut(glob=f"{BIG_REPO}/{BIG}", after_bytes=BIG_SIZE - 10, mode="flip")])
-    code, summary, out = run(mirror, tmp_path, BIG_REPO)
+    code, _summary, out = run(mirror, tmp_path, BIG_REPO)
     assert code == 0, out
     assert "downloaded bytes do not match the Hub's hash" in out
-    assert summary["bytes_hashed_in_flight"] >= BIG_SIZE  # the retry was hashed in flight
+    # whether the retry was hashed in flight or from disk depends on the follower thread
+    # being scheduled before a local 24 MiB transfer ends (a loaded CI machine: not); both
+    # paths verify, and the follower itself is tested byte by byte below (_follow)
     assert mirror.stats.snapshot()["files"][f"{BIG_REPO}/{BIG}"]["gets"] == 2
     assert_verified(tmp_path, mirror, BIG_REPO)
 

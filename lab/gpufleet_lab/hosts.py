@@ -1,7 +1,8 @@
 """Lab hosts: systemd-nspawn containers booted with systemd, one netns each.
 
 All hosts boot from one cached debootstrap root (``ROOT_CACHE``) with a
-per-host overlayfs (``STATE_DIR/<host>/{upper,work,root}``).  The controller
+per-host overlayfs (``STATE_DIR/<host>/{upper,work,root}``) and its containers' storage
+(``STATE_DIR/<host>/containers``, bound at /var/lib/containers).  The controller
 has no systemd, so each ``systemd-nspawn --boot`` runs as our own background
 process (setsid), its PID in ``STATE_DIR/<host>/nspawn.pid`` and its console
 in ``STATE_DIR/<host>/console.log``; it first joins the host's own cgroup
@@ -122,6 +123,7 @@ SMALL_CACHE_SIZE = "64m"
 CACHE_IMAGE = CACHE_DIR / "shared-cache.img"
 CACHE_IMAGE_SIZE = "2T"
 HOST_CACHE_PATH = "/var/cache/gpufleet/hf"
+CONTAINERS_PATH = "/var/lib/containers"
 APT_LISTS = "var/lib/apt/lists"
 REPO = Path(__file__).resolve().parents[2]
 INVENTORY = REPO / "inventories" / "lab" / "hosts.yml"
@@ -304,8 +306,9 @@ def prepare_host(host: dict, all_hosts: list[dict], root: Path, pubkey: str, hw:
     hdir = STATE_DIR / host["name"]
     shutil.rmtree(hdir, ignore_errors=True)
     upper = hdir / "upper"
-    for d in ("upper", "work", "root"):
+    for d in ("upper", "work", "root", "containers"):
         (hdir / d).mkdir(parents=True)
+    (hdir / "containers").chmod(0o700)
     ctrl = services.controller_address()
     uid, gid = _user_ids(root, LOGIN_USER)
     hosts_lines = [f"127.0.0.1 localhost\n{ctrl} controller gpufleet-controller\n"]
@@ -641,6 +644,10 @@ def start_host(host: dict, hdir: Path, root: Path) -> int:
         "--console=read-only",
         "--kill-signal=SIGRTMIN+3",
         f"--bind={cache_source(host)}:{HOST_CACHE_PATH}",
+        # the containers' storage on a disk file system of its own, as a server's
+        # /var/lib is: podman stores images as overlay layers there, not as a full copy
+        # per container (vfs, all an overlayfs root would allow)
+        f"--bind={hdir / 'containers'}:{CONTAINERS_PATH}",
     ]
     joins = [str(cg / "cgroup.procs") for cg in make_host_cgroups(host["name"])]
     with open(hdir / "console.log", "wb") as out:

@@ -24,7 +24,7 @@ from gpufleet_lab import hosts as lab_hosts
 ORDER = ("test_a_fresh_machine", "test_security", "test_bad_inputs", "test_drift",
          "test_dry_parse_lab", "test_faults_serving", "test_deploy", "test_cache_lab",
          "test_firewall", "test_faults_deploy", "test_prepare", "test_prepare_faults",
-         "test_prepare_profiles", "test_lab_hosts")
+         "test_prepare_profiles", "test_lab_hosts", "test_image_runtime")
 
 
 def pytest_collection_modifyitems(items):

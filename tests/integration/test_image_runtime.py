@@ -24,10 +24,8 @@ from labutil import changed_tasks, fab, playbook, recap, ssh
 from gpufleet_lab import hosts as lab_hosts
 from gpufleet_lab import images as lab_images
 
-# slow (./scripts/test --slow): the stand-in images and this module's deploys take about 17
-# minutes (25 with the images built from nothing), more than .ci/run's hour holds beside
-# the venv runtime's suite
-pytestmark = [pytest.mark.lab, pytest.mark.slow]
+# last of the lab modules (conftest's ORDER): it ends on an MI355X lab
+pytestmark = pytest.mark.lab
 
 TARGET = "h200-pd-1node"
 REF = "docker.io/vllm/vllm-openai:glm53-flash"
@@ -194,6 +192,9 @@ def test_teardown_removes_containers_and_units_and_keeps_the_image(deployed):
         assert ours.strip() == "", ours
         kept = ssh(host, "podman images --format '{{.Repository}}:{{.Tag}}'")
         assert REF.split("/", 1)[1] in kept, kept
+        # of the state, only the kept images' record stays (a later --purge-images reads it)
+        left = sorted(ssh(host, "find /var/lib/gpufleet -mindepth 1", check=True).split())
+        assert left == ["/var/lib/gpufleet/state", RECORD], left
 
 
 # SGLang prefill/decode over Mooncake across lab1 and lab2 (004: on H200 the containers need
@@ -280,12 +281,16 @@ def test_dynamo_over_rdma_is_refused_where_containers_cannot_lock_memory_then_se
     assert "sglang" not in ssh("lab1", "podman ps --format '{{.Image}}'", check=True)
     # the inventory says no runtime (this module chose it per run): teardown goes by what
     # each host ran, and --purge-images removes the image each host pulled
+    records = {host: ssh(host, f"cat {RECORD}", check=True) for host in PD_HOSTS}
     proc = fab("teardown", "--target", "h200-disagg", "--purge-images")
     assert proc.returncode == 0, proc.stdout[-4000:]
     for host in PD_HOSTS:
         assert ssh(host, "podman ps -a --format '{{.Names}}'", check=True).split() == []
-        kept = ssh(host, "podman images --format '{{.Repository}}'", check=True).split()
-        assert "docker.io/vllm/vllm-openai" not in kept, kept
+        kept = ssh(host, "podman images --digests --format '{{.Repository}} {{.Digest}}'",
+                   check=True)
+        # every image of the repositories it ran: lab1 also ran h200-pd-1node's two digests
+        # and pulled the refused flashinfer-old one
+        assert "docker.io/vllm/vllm-openai" not in kept, (host, records[host], kept)
 
 
 def test_amd_runs_sglang_from_the_rocm_image_by_default(lab):

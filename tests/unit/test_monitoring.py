@@ -1,0 +1,238 @@
+"""The Prometheus alert rules and the Grafana dashboard in monitoring/.
+
+promtool (Debian's prometheus package) checks the rules and runs their unit tests; the
+rest checks that every alert is tested and annotated, that the dashboard is well formed,
+and that every metric the rules and the dashboard use is one the health checker writes.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+MONITORING = REPO / "monitoring"
+RULES = MONITORING / "gpufleet-alerts.yml"
+RULES_TEST = MONITORING / "gpufleet-alerts_test.yml"
+DASHBOARD = MONITORING / "gpufleet-dashboard.json"
+CHECKER = REPO / "gpufleet" / "host" / "healthcheck.py"
+
+# What the health checker writes (roles/health/README.md lists them with their labels).
+METRICS = {
+    "gpufleet_health_check_ok",
+    "gpufleet_health_check_status",
+    "gpufleet_health_check_duration_seconds",
+    "gpufleet_health_ok",
+    "gpufleet_health_last_run_timestamp_seconds",
+    "gpufleet_health_run_duration_seconds",
+    "gpufleet_unit_consecutive_failures",
+    "gpufleet_unit_in_startup_window",
+    "gpufleet_unit_restarts_total",
+    "gpufleet_generation_latency_seconds",
+    "gpufleet_cache_free_bytes",
+    "gpufleet_gpu_info",
+    "gpufleet_gpu_ecc_uncorrected_errors",
+    "gpufleet_gpu_remapped_rows",
+    "gpufleet_gpu_remap_pending",
+    "gpufleet_gpu_remap_failed",
+    "gpufleet_gpu_pcie_link_gen",
+    "gpufleet_gpu_pcie_link_width",
+    "gpufleet_gpu_clock_event_active",
+    "gpufleet_gpu_temperature_celsius",
+    "gpufleet_gpu_fabric_ok",
+    "gpufleet_gpu_nvlink_links",
+    "gpufleet_gpu_nvlink_errors",
+    "gpufleet_gpu_xid_events_total",
+    "gpufleet_gpu_xid_fatal",
+    "gpufleet_ib_port_up",
+    "gpufleet_ib_port_rate_gbps",
+    "gpufleet_ib_port_errors",
+}
+# Not the checker's: Prometheus' own `up`, and node_exporter's build info (the absent
+# alert tells node_exporter targets from other scrape targets with it).
+STANDARD = {"up", "node_exporter_build_info"}
+
+# PromQL words that are not metric names: operators, modifiers, aggregations (which may
+# be followed by `by (...)` rather than `(`), and functions (also caught by the `(`).
+KEYWORDS = {
+    "and", "or", "unless", "bool", "offset", "by", "without", "on", "ignoring",
+    "group_left", "group_right", "inf", "nan",
+    "sum", "min", "max", "avg", "count", "group", "stddev", "stdvar", "topk", "bottomk",
+    "quantile", "count_values",
+    "rate", "irate", "increase", "delta", "idelta", "deriv", "absent", "absent_over_time",
+    "max_over_time", "min_over_time", "avg_over_time", "sum_over_time", "count_over_time",
+    "last_over_time", "changes", "resets", "time", "timestamp", "vector", "scalar",
+    "clamp_min", "clamp_max", "label_replace", "label_join", "sort", "sort_desc",
+    "histogram_quantile", "abs", "ceil", "floor", "round",
+}
+LABEL_LIST = re.compile(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)")
+IDENT = re.compile(r"(?<![\w.])([a-zA-Z_:][\w:]*)(?![\w:])(?!\s*\()")
+
+
+def promql_metrics(expr):
+    """Metric names in a PromQL expression: what is left after dropping strings, label
+    matchers, ranges, Grafana variables, label lists, keywords and function calls."""
+    text = re.sub(r"\$\{?\w+\}?", " ", expr)  # Grafana: $instance, ${datasource}, $__rate_interval
+    text = re.sub(r'"(?:[^"\\]|\\.)*"|\'(?:[^\'\\]|\\.)*\'|`[^`]*`', '""', text)
+    text = re.sub(r"\{[^}]*\}", " ", text)
+    text = re.sub(r"\[[^\]]*\]", " ", text)
+    text = LABEL_LIST.sub(" ", text)
+    return {name for name in IDENT.findall(text) if name.lower() not in KEYWORDS}
+
+
+def test_promql_metrics_tokenizer():
+    assert promql_metrics(
+        "sum by (instance, unit) "
+        '(increase(gpufleet_unit_restarts_total{instance=~"$instance"}[1h])) >= 3'
+    ) == {"gpufleet_unit_restarts_total"}
+    assert promql_metrics(
+        "up == 1 and on(instance, job) node_exporter_build_info\n"
+        "unless on(instance) gpufleet_health_last_run_timestamp_seconds"
+    ) == {"up", "node_exporter_build_info", "gpufleet_health_last_run_timestamp_seconds"}
+    expr = "time() - gpufleet_health_ok > 1e3 or vector(0)"
+    assert promql_metrics(expr) == {"gpufleet_health_ok"}
+
+
+def load_rules():
+    return yaml.safe_load(RULES.read_text())
+
+
+def alerts():
+    return [rule for group in load_rules()["groups"] for rule in group["rules"] if "alert" in rule]
+
+
+def load_dashboard():
+    return json.loads(DASHBOARD.read_text())
+
+
+def dashboard_panels():
+    for panel in load_dashboard()["panels"]:
+        yield panel
+        yield from panel.get("panels", [])  # collapsed rows carry their panels
+
+
+def promtool(*args):
+    exe = shutil.which("promtool")
+    if exe is None:
+        pytest.fail(
+            "promtool not found. Fix: apt-get install prometheus (scripts/setup installs it)"
+        )
+    proc = subprocess.run([exe, *args], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, (
+        f"promtool {' '.join(args)} exited {proc.returncode}:\n{proc.stdout}{proc.stderr}"
+    )
+    return proc.stdout
+
+
+def test_promtool_check_rules():
+    promtool("check", "rules", str(RULES.relative_to(REPO)))
+
+
+def test_promtool_test_rules():
+    promtool("test", "rules", str(RULES_TEST.relative_to(REPO)))
+
+
+def test_every_alert_has_severity_summary_and_description():
+    names = [rule["alert"] for rule in alerts()]
+    assert names and len(names) == len(set(names)), f"duplicate alert names: {names}"
+    for rule in alerts():
+        where = rule["alert"]
+        assert rule.get("labels", {}).get("severity") in ("critical", "warning"), where
+        for key in ("summary", "description"):
+            text = rule.get("annotations", {}).get(key, "")
+            assert "{{ $labels.instance }}" in text, f"{where}: {key} does not name the host"
+
+
+def test_every_alert_fires_in_some_test():
+    tests = yaml.safe_load(RULES_TEST.read_text())
+    assert tests["rule_files"] == [RULES.name]
+    firing, quiet = set(), set()
+    for group in tests["tests"]:
+        for case in group.get("alert_rule_test", []):
+            (firing if case.get("exp_alerts") else quiet).add(case["alertname"])
+    names = {rule["alert"] for rule in alerts()}
+    assert names - firing == set(), "alerts with no firing case"
+    assert names - quiet == set(), "alerts with no case where they stay quiet"
+    assert (firing | quiet) - names == set(), "tests of alerts that do not exist"
+
+
+def test_dashboard_structure():
+    dash = load_dashboard()
+    variables = {v["name"]: v for v in dash["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource"
+    assert variables["datasource"]["query"] == "prometheus"
+    instance = variables["instance"]
+    assert instance["type"] == "query"
+    assert "label_values(gpufleet_health_ok, instance)" in json.dumps(instance["query"])
+    assert instance["datasource"]["uid"] == "${datasource}"
+    ids = [panel["id"] for panel in dashboard_panels()]
+    assert len(ids) == len(set(ids)), "panel ids are not unique"
+    rows = [panel["title"] for panel in dashboard_panels() if panel["type"] == "row"]
+    assert len(rows) >= 4, rows
+    for panel in dashboard_panels():
+        where = f"panel {panel['id']} {panel.get('title')!r}"
+        pos = panel["gridPos"]
+        assert all(isinstance(pos[k], int) for k in ("x", "y", "w", "h")), where
+        assert pos["x"] >= 0 and pos["w"] > 0 and pos["x"] + pos["w"] <= 24, where
+        if panel["type"] == "row":
+            continue
+        assert panel["datasource"]["uid"] == "${datasource}", where
+        assert panel["targets"], f"{where}: no targets"
+        for target in panel["targets"]:
+            assert target.get("expr", "").strip(), f"{where}: a target without expr"
+            assert target["datasource"]["uid"] == "${datasource}", where
+            assert 'instance=~"$instance"' in target["expr"], f"{where}: not filtered by $instance"
+
+
+def used_metrics():
+    """{metric: [where]} for every metric an alert, a recording rule or a dashboard
+    query uses."""
+    used = {}
+    for group in load_rules()["groups"]:
+        for rule in group["rules"]:
+            for name in promql_metrics(rule["expr"]):
+                used.setdefault(name, []).append(rule.get("alert") or rule.get("record"))
+    for panel in dashboard_panels():
+        for target in panel.get("targets", []):
+            for name in promql_metrics(target["expr"]):
+                used.setdefault(name, []).append(f"dashboard: {panel['title']}")
+    for variable in load_dashboard()["templating"]["list"]:
+        query = json.dumps(variable.get("query", ""))
+        for name in re.findall(r"label_values\(\s*([a-zA-Z_:][\w:]*)\s*,", query):
+            used.setdefault(name, []).append(f"dashboard variable {variable['name']}")
+    return used
+
+
+def test_rules_and_dashboard_use_only_metrics_the_checker_writes():
+    used = used_metrics()
+    unknown = {name: where for name, where in used.items() if name not in METRICS | STANDARD}
+    assert not unknown, f"metrics the checker does not write: {unknown}"
+    assert {"gpufleet_health_ok", "gpufleet_gpu_xid_fatal", "gpufleet_ib_port_up"} <= set(used)
+
+
+def checker_metric_literals(path=CHECKER):
+    """gpufleet_* names in the string literals of the checker's source."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            names.update(re.findall(r"\bgpufleet_[a-z_]+\b", node.value))
+    return names
+
+
+def test_checker_writes_every_metric_the_rules_use():
+    """The list above against the checker itself: every metric in it, and every gpufleet
+    metric the rules and the dashboard use, is a string literal in healthcheck.py."""
+    used = used_metrics()
+    wanted = METRICS | {name for name in used if name.startswith("gpufleet_")}
+    missing = sorted(wanted - checker_metric_literals())
+    where = {name: ", ".join(sorted(set(used.get(name, ["the list above"])))) for name in missing}
+    assert not missing, "metrics that healthcheck.py does not write: " + "; ".join(
+        f"{name} (used by {where[name]})" for name in missing
+    )

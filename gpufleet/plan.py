@@ -490,7 +490,9 @@ def _host_requirements(plan: Plan, inventory: inv_mod.Inventory) -> dict[str, Ho
     plan_catalog = cat.load()
     deployment_hosts = sorted({p.host for p in plan.processes})
     out: dict[str, HostPlan] = {}
-    multi_node_engine = len({p.host for p in plan.engines}) > 1
+    # one deployment's engines across hosts (replicas: independent single-node copies, one
+    # per endpoint, that move nothing between hosts)
+    multi_node_engine = len(plan.endpoints) == 1 and len({p.host for p in plan.engines}) > 1
     for name in deployment_hosts:
         procs = plan.on_host(name)
         gpus = sorted({g for p in procs for g in p.gpus})

@@ -52,8 +52,17 @@ else:  # running from the repository
     from gpufleet.module_utils import gpu_facts
 
 DEFAULT_CONFIG = "/etc/gpufleet/health.json"
-DEFAULT_TEXTFILE = "/var/lib/node_exporter/textfile_collector/gpufleet.prom"
+# where Debian's and Ubuntu's prometheus-node-exporter read textfiles
+DEFAULT_TEXTFILE = "/var/lib/prometheus/node-exporter/gpufleet.prom"
 DEFAULT_STATE = "/var/lib/gpufleet/health-state.json"
+# NVLink error counters (nvidia-smi nvlink -e): a recovery is a link retrain, always worth a
+# look; replays and CRC errors happen at low rates on healthy links
+DEFAULT_NVLINK_DELTA = {"recovery": 0, "replay": 100, "crc": 100, "default": 100}
+# InfiniBand/RoCE port counters (sysfs ports/N/counters): a link that went down or
+# retrained is always reported; bit errors at low rates are normal
+IB_COUNTERS = ("link_downed", "link_error_recovery", "symbol_error", "port_rcv_errors",
+               "local_link_integrity_errors", "excessive_buffer_overrun_errors")
+DEFAULT_IB_DELTA = {"link_downed": 0, "link_error_recovery": 0, "default": 100}
 # Xid codes that mean the GPU needs attention (reset, RMA), not an application fault:
 # DBE, microcontroller halt, row-remap failure, NVLink, fallen off the bus, uncontained
 # ECC, GSP timeout/error, unrecovered ECC, reset required.
@@ -159,13 +168,33 @@ def validate(raw):
         "count": _field(gpu, "count", "gpu", (int,), None, lambda v: v >= 0,
                         "an integer >= 0 or null"),
         "timeout_s": _field(gpu, "timeout_s", "gpu", NUM, 30, _positive, "a number > 0"),
-        "xid_window_min": _field(gpu, "xid_window_min", "gpu", (int,), 5, _positive,
-                                 "an integer >= 1"),
+        # lifetime uncorrected ECC errors a GPU may have before it is flagged for RMA
+        "ecc_aggregate_max": _field(gpu, "ecc_aggregate_max", "gpu", (int,), 10,
+                                    lambda v: v >= 0, "an integer >= 0"),
+        # how much an NVLink error counter may rise between two runs (default: any other)
+        "nvlink_error_delta_max": dict(DEFAULT_NVLINK_DELTA, **_field(
+            gpu, "nvlink_error_delta_max", "gpu", (dict,), {}, lambda v: all(
+                isinstance(k, str) and isinstance(n, int) and not isinstance(n, bool)
+                and n >= 0 for k, n in v.items()), "an object of counter: integer >= 0")),
         "xid_fatal": _field(gpu, "xid_fatal", "gpu", (list,), DEFAULT_XID_FATAL,
                             lambda v: all(isinstance(x, int) for x in v), "a list of integers"),
         # the NVLink fabric is managed outside this host (gpu_facts.fabric_manager_mode
         # external): its GPUs' fabric state stands in for a local nvidia-fabricmanager unit
         "fabric": _field(gpu, "fabric", "gpu", (bool,), False),
+    }
+    ib = _field(raw, "ib", "", (dict,), None)
+    cfg["ib"] = None if ib is None else {
+        "sysfs": _field(ib, "sysfs", "ib", (str,), "/sys/class/infiniband", os.path.isabs,
+                        "an absolute path"),
+        # the HCAs the plan moves data over; empty: every HCA the host has
+        "devices": _field(ib, "devices", "ib", (list,), [], lambda v: all(
+            isinstance(x, str) for x in v), "a list of HCA names"),
+        "min_rate_gbps": _field(ib, "min_rate_gbps", "ib", NUM, None, _positive,
+                                "a number > 0 or null"),
+        "error_delta_max": dict(DEFAULT_IB_DELTA, **_field(
+            ib, "error_delta_max", "ib", (dict,), {}, lambda v: all(
+                isinstance(k, str) and isinstance(n, int) and not isinstance(n, bool)
+                and n >= 0 for k, n in v.items()), "an object of counter: integer >= 0")),
     }
     return cfg
 
@@ -394,85 +423,380 @@ def check_unit(unit, status, out):
         out.append(guarded("generate", name, check_generate, unit))
 
 
-def check_gpu(cfg):
-    """Driver view of the GPUs; returns (result, gpus for metrics)."""
-    started = time.monotonic()
-    vendor = cfg["vendor"]
-    if vendor == "amd":
-        return result("gpu", "", NA, "AMD GPU health is not checked by this version",
-                      started), []
-    smi = shutil.which("nvidia-smi")
-    if smi is None:
-        if vendor == "nvidia":
-            return result("gpu", "", FAIL, "nvidia-smi not found, but this host's plan uses "
-                          "NVIDIA GPUs", started), []
-        return result("gpu", "", NA, "nvidia-smi not found", started), []
-    rc, out, err = run([smi, "-q", "-x"], cfg["timeout_s"])
+def gpu_name(gpu):
+    """How a failure names a GPU: index, UUID and PCI address."""
+    return "GPU {} ({}, {})".format(gpu["index"], gpu["uuid"] or "uuid unknown",
+                                    gpu["bus_id"] or "PCI address unknown")
+
+
+def pci_key(address):
+    """A GPU's PCI address as the kernel log names it: 00000000:18:00.0 and PCI:0000:18:00
+    both give 0000:18:00."""
+    address = (address or "").lower().replace("pci:", "")
+    parts = address.split(".")[0].split(":")
+    if len(parts) != 3:
+        return address
+    return "{}:{}:{}".format(parts[0][-4:].rjust(4, "0"), parts[1].rjust(2, "0"),
+                             parts[2].rjust(2, "0"))
+
+
+def verdict(check, problems, ok_detail, started):
+    if problems:
+        return result(check, "", FAIL, "; ".join(problems), started)
+    return result(check, "", OK, ok_detail, started)
+
+
+def gpu_ecc(cfg, gpus, started):
+    limit = cfg["ecc_aggregate_max"]
+    problems = []
+    for gpu in gpus:
+        ecc = gpu["ecc_errors"]
+        volatile, aggregate = ecc["volatile"]["uncorrectable"], ecc["aggregate"]["uncorrectable"]
+        if volatile:
+            problems.append(f"{gpu_name(gpu)}: {volatile} uncorrected ECC errors since the "
+                            "driver loaded. Action: drain the host and reset the GPU "
+                            f"(nvidia-smi -r -i {gpu['index']}); replace it if they come back")
+        elif aggregate is not None and aggregate > limit:
+            problems.append(f"{gpu_name(gpu)}: {aggregate} uncorrected ECC errors in its "
+                            f"lifetime (more than {limit}). Action: replace the GPU (RMA)")
+    return verdict("gpu_ecc", problems, "no uncorrected ECC errors (lifetime at most "
+                   f"{limit})", started)
+
+
+def gpu_remap(gpus, started):
+    problems = []
+    for gpu in gpus:
+        if gpu["remapped_rows_failure"]:
+            problems.append(f"{gpu_name(gpu)}: row remapping failed. Action: replace the GPU "
+                            "(RMA)")
+        elif gpu["remapped_rows_pending"] or gpu["retirement_pending"]:
+            what = "row remapping" if gpu["remapped_rows_pending"] else "page retirement"
+            problems.append(f"{gpu_name(gpu)}: {what} pending. Action: drain the host and "
+                            f"reset the GPU (nvidia-smi -r -i {gpu['index']}) or reboot")
+    return verdict("gpu_remap", problems, "no row remapping or page retirement pending",
+                   started)
+
+
+def gpu_pcie(gpus, started):
+    problems, idle = [], []
+    for gpu in gpus:
+        link = gpu["pcie"]
+        if None not in (link["width_current"], link["width_max"]) and \
+                link["width_current"] < link["width_max"]:
+            problems.append("{}: PCIe link x{} of x{}. Action: reseat the GPU or its riser "
+                            "and check the slot; a reboot retrains the link".format(
+                                gpu_name(gpu), link["width_current"], link["width_max"]))
+        if None not in (link["gen_current"], link["gen_max"]) and \
+                link["gen_current"] < link["gen_max"]:
+            if gpu["clock_events"].get("gpu_idle"):
+                idle.append(gpu["index"])  # an idle GPU may lower its link speed to save power
+            else:
+                problems.append("{}: PCIe gen {} of {} while busy. Action: check the slot "
+                                "and riser, then reboot to retrain the link".format(
+                                    gpu_name(gpu), link["gen_current"], link["gen_max"]))
+    note = f" (idle GPUs {idle} below their maximum gen: power saving)" if idle else ""
+    return verdict("gpu_pcie", problems, "PCIe links at their maximum width" + note, started)
+
+
+CLOCK_FAULTS = {
+    "hw_slowdown": "hardware slowdown (over temperature or a power brake). Action: check the "
+                   "GPU's cooling and the power supply (BMC event log)",
+    "hw_thermal_slowdown": "hardware thermal slowdown. Action: check the GPU's cooling (fans, "
+                           "air flow, inlet temperature)",
+    "hw_power_brake_slowdown": "power brake slowdown (asserted by the system: PSU or BMC). "
+                               "Action: check the power supplies and the BMC event log",
+    "sw_thermal_slowdown": "software thermal slowdown (above its maximum operating "
+                           "temperature). Action: check the GPU's cooling",
+}
+
+
+def gpu_clocks(gpus, started):
+    problems = []
+    for gpu in gpus:
+        for reason, what in CLOCK_FAULTS.items():
+            if gpu["clock_events"].get(reason):
+                problems.append(f"{gpu_name(gpu)}: {what}")
+    return verdict("gpu_clocks", problems, "no hardware, thermal or power-brake slowdown",
+                   started)
+
+
+def gpu_fabric(cfg, gpus, started):
+    states = [g for g in gpus if g["fabric"]["state"]]
+    if not states and not cfg["fabric"]:
+        return result("gpu_fabric", "", NA, "the GPUs are not on an NVSwitch fabric", started)
+    if cfg["fabric"]:
+        fix = ("the fabric is managed outside this host: the hypervisor's fabric manager must "
+               "bring it up (ask the provider, or stop and start the VM)")
+    else:
+        fix = ("check nvidia-fabricmanager (systemctl status nvidia-fabricmanager; its journal "
+               "names the NVSwitch or GPU it could not train), then reset the GPUs or reboot")
+    down = ["{}: fabric {}/{}".format(gpu_name(g), g["fabric"]["state"] or "N/A",
+                                      g["fabric"]["status"] or "N/A")
+            for g in gpus if not gpu_facts.fabric_ok(g["fabric"])]
+    if down:
+        return result("gpu_fabric", "", FAIL, "{}. Action: {}".format("; ".join(down), fix),
+                      started)
+    return result("gpu_fabric", "", OK, f"{len(gpus)} GPUs: NVLink fabric Completed/Success",
+                  started)
+
+
+def gpu_nvlink(cfg, gpus, state, started):
+    """NVLink state (nvidia-smi nvlink -s) and error counters' rise since the last run
+    (nvidia-smi nvlink -e); returns (result, links by GPU index, errors by GPU index)."""
+    timeout = cfg["timeout_s"]
+    rc, out, err = run(["nvidia-smi", "nvlink", "-s"], timeout)
     if rc != 0:
         why = first_line(err) or first_line(out) or f"exited {rc}"
-        return result("gpu", "", FAIL, f"nvidia-smi -q -x: {why}", started), []
-    try:
-        facts = gpu_facts.parse_nvidia_smi_xml(out)
-        root = ET.fromstring(out.strip())
-    except ET.ParseError as exc:
-        return result("gpu", "", FAIL, f"nvidia-smi -q -x: bad XML: {exc}", started), []
-    problems, gpus = [], []
-    for gpu, node in zip(facts["gpus"], root.findall("gpu")):
-        ecc = gpu["ecc_errors"]
-        item = {"index": gpu["index"], "uuid": gpu["uuid"] or "",
-                "volatile": ecc["volatile"]["uncorrectable"],
-                "aggregate": ecc["aggregate"]["uncorrectable"]}
-        gpus.append(item)
-        where = "GPU {}".format(gpu["index"])
-        if item["volatile"]:
-            problems.append(f"{where}: {item['volatile']} uncorrected ECC errors")
-        if gpu["remapped_rows_pending"]:
-            problems.append(f"{where}: row remapping pending (needs a GPU reset)")
-        if gpu["remapped_rows_failure"]:
-            problems.append(f"{where}: row remapping failed")
-        if gpu_facts.to_bool(node.findtext("retired_pages/pending_retirement")):
-            problems.append(f"{where}: page retirement pending (needs a GPU reset)")
-    if cfg["count"] is not None and len(gpus) < cfg["count"]:
-        problems.append(f"{len(gpus)} GPUs visible, {cfg['count']} expected")
-    down = ["GPU {} {}/{}".format(g["index"], g["fabric"]["state"] or "N/A",
-                                  g["fabric"]["status"] or "N/A")
-            for g in facts["gpus"] if not gpu_facts.fabric_ok(g["fabric"])]
-    if cfg.get("fabric") and down:
-        problems.append("NVLink fabric not Completed/Success ({}); it is managed outside this "
-                        "host. Fix: the hypervisor's fabric manager must bring it up (ask the "
-                        "provider, or stop and start the VM)".format(", ".join(down)))
-    if problems:
-        return result("gpu", "", FAIL, "; ".join(problems), started), gpus
-    fabric = ", NVLink fabric Completed/Success" if cfg.get("fabric") else ""
-    return result("gpu", "", OK, f"{len(gpus)} GPUs, no uncorrected ECC errors, nothing pending"
-                  + fabric, started), gpus
-
-
-def check_xid(cfg):
-    """Xid events in the kernel log of the last xid_window_min minutes."""
-    started = time.monotonic()
-    if shutil.which("journalctl") is None:
-        return result("gpu_xid", "", NA, "journalctl not found", started), {}
-    window = cfg["xid_window_min"]
-    # filtered here rather than with -g: journalctl may be built without pattern support
-    rc, out, err = run(["journalctl", "-k", "--since", f"-{window}min", "-o", "cat",
-                        "--no-pager", "-q"], 20)
+        return result("gpu_nvlink", "", FAIL, f"nvidia-smi nvlink -s: {why}", started), {}, {}
+    links = {g["index"]: g["links"] for g in gpu_facts.parse_nvlink_status(out) if g["links"]}
+    if not links:
+        return result("gpu_nvlink", "", NA, "no NVLink on these GPUs", started), {}, {}
+    by_index = {g["index"]: g for g in gpus}
+    problems = []
+    for index, items in sorted(links.items()):
+        down = [str(link["link"]) for link in items if not link["active"]]
+        if down:
+            name = gpu_name(by_index[index]) if index in by_index else f"GPU {index}"
+            problems.append("{}: NVLink {} inactive ({} of {} active). Action: reset the GPU "
+                            "(nvidia-smi -r -i {}) or reboot; if it stays down, the NVLink "
+                            "or baseboard needs service".format(
+                                name, ", ".join(down), len(items) - len(down), len(items),
+                                index))
+    rc, out, err = run(["nvidia-smi", "nvlink", "-e"], timeout)
     if rc != 0:
-        return result("gpu_xid", "", FAIL, "journalctl -k: %s" % (
-            first_line(err) or f"exited {rc}"), started), {}
-    counts = {}
-    fatal = []
-    for match in XID_RE.finditer(out):
+        why = first_line(err) or first_line(out) or f"exited {rc}"
+        problems.append(f"nvidia-smi nvlink -e: {why}")
+        errors = {}
+    else:
+        errors = gpu_facts.parse_nvlink_errors(out)
+    before = state.get("nvlink_errors", {})
+    now = {}
+    limits = cfg["nvlink_error_delta_max"]
+    for index, counters in sorted(errors.items()):
+        gpu = by_index.get(index)
+        key = gpu["uuid"] if gpu and gpu["uuid"] else str(index)
+        now[key] = counters
+        for counter, value in sorted(counters.items()):
+            last = before.get(key, {}).get(counter)
+            rise = value if last is None or value < last else value - last
+            limit = limits.get(counter, limits["default"])
+            if last is not None and rise > limit:
+                problems.append("{}: NVLink {} errors rose by {} since the last run (more than "
+                                "{}). Action: the link is degrading: drain the host and have "
+                                "the NVLink checked".format(
+                                    gpu_name(gpu) if gpu else f"GPU {index}", counter, rise,
+                                    limit))
+    state["nvlink_errors"] = now
+    total = sum(len(items) for items in links.values())
+    return verdict("gpu_nvlink", problems, f"{total} NVLink links active on {len(links)} GPUs, "
+                   "error counters steady", started), links, errors
+
+
+def check_nvidia(cfg, state):
+    """The NVIDIA GPU checks from one `nvidia-smi -q -x` (and `nvlink -s/-e`); returns
+    (results, per-GPU data for the metrics and the Xid check)."""
+    started = time.monotonic()
+    data = {"gpus": [], "links": {}, "nvlink_errors": {}}
+    vendor = cfg["vendor"]
+
+    def only(check_status, detail, status_rest=NA, rest=None):
+        first = result("gpu", "", check_status, detail, started)
+        others = [result(c, "", status_rest, rest or detail, started) for c in GPU_CHECKS[1:]]
+        return [first] + others, data
+
+    if vendor == "amd":
+        return only(NA, "AMD GPU health is not checked by this version")
+    if shutil.which("nvidia-smi") is None:
+        if vendor == "nvidia":
+            return only(FAIL, "nvidia-smi not found, but this host's plan uses NVIDIA GPUs. "
+                        "Action: install the NVIDIA driver (the nvidia_driver role)",
+                        rest="no data: nvidia-smi not found (see the gpu check)")
+        return only(NA, "nvidia-smi not found")
+    rc, out, err = run(["nvidia-smi", "-q", "-x"], cfg["timeout_s"])
+    if rc == 0:
+        try:
+            facts = gpu_facts.parse_nvidia_smi_xml(out)
+        except ET.ParseError as exc:
+            rc, err = 1, f"bad XML: {exc}"
+    if rc != 0:
+        why = first_line(err) or first_line(out) or f"exited {rc}"
+        return only(FAIL, f"nvidia-smi -q -x: {why}. Action: check the driver (dmesg), reboot "
+                    "if it does not answer", rest="no data: nvidia-smi failed (see the gpu "
+                    "check)")
+    gpus = data["gpus"] = facts["gpus"]
+    problems = []
+    if cfg["count"] is not None and len(gpus) < cfg["count"]:
+        problems.append("{} GPUs visible, {} expected. Action: a GPU fell off the bus or "
+                        "failed to initialize: reboot the host; reseat or replace it if it "
+                        "stays missing".format(len(gpus), cfg["count"]))
+    results = [verdict("gpu", problems, "{} GPUs: {}".format(len(gpus), ", ".join(
+        "{} {}".format(g["index"], g["uuid"]) for g in gpus)) if gpus else "0 GPUs", started),
+               gpu_ecc(cfg, gpus, started), gpu_remap(gpus, started), gpu_pcie(gpus, started),
+               gpu_clocks(gpus, started), gpu_fabric(cfg, gpus, started)]
+    try:
+        nvlink, data["links"], data["nvlink_errors"] = gpu_nvlink(
+            cfg, gpus, state, time.monotonic())
+    except Exception as exc:  # noqa: BLE001 - its own error; the XML checks stand
+        nvlink = crashed("gpu_nvlink", "", exc, started)
+    return results + [nvlink], data
+
+
+GPU_CHECKS = ("gpu", "gpu_ecc", "gpu_remap", "gpu_pcie", "gpu_clocks", "gpu_fabric",
+              "gpu_nvlink")
+# What the operator does about a fatal Xid (NVIDIA's Xid catalog); others: reset the GPU
+XID_ACTIONS = {
+    48: "drain the host and reset the GPU; replace it if double-bit errors come back",
+    64: "drain the host and reset the GPU; replace it if the row remap fails again",
+    74: "NVLink error: reset the GPU; if it comes back, the NVLink or baseboard needs service",
+    79: "the GPU fell off the bus: reboot the host; reseat or replace it if it happens again",
+    95: "uncontained ECC error: drain the host and reset the GPU",
+    119: "GSP timeout: reset the GPU; reboot if the reset fails",
+    120: "GSP error: reset the GPU; reboot if the reset fails",
+    154: "do what the driver's message asks (GPU reset or node reboot)",
+}
+BOOT_ID = "/proc/sys/kernel/random/boot_id"
+
+
+def boot_id():
+    try:
+        with open(BOOT_ID, encoding="ascii") as handle:
+            return handle.read().strip()
+    except OSError:
+        return ""
+
+
+def check_xid(cfg, state, gpus=()):
+    """Xid events read from the kernel log exactly once (a journal cursor kept in the state
+    file). A fatal one stays red until the host reboots (a new boot id) or the operator
+    clears it after resetting the GPU (healthcheck.py --clear-xid)."""
+    started = time.monotonic()
+    boot = boot_id()
+    if state.get("boot_id") != boot:  # a reboot resets every GPU: start over
+        for key in ("journal_cursor", "xid_fatal", "xid_counts"):
+            state.pop(key, None)
+        state["boot_id"] = boot
+    fatal = state.setdefault("xid_fatal", {})
+    counts = state.setdefault("xid_counts", {})
+    if shutil.which("journalctl") is None:
+        return result("gpu_xid", "", NA, "journalctl not found", started), counts
+    argv = ["journalctl", "-k", "-b", "-o", "cat", "--no-pager", "-q", "--show-cursor"]
+    if state.get("journal_cursor"):
+        argv.append("--after-cursor=" + state["journal_cursor"])
+    # filtered here rather than with -g: journalctl may be built without pattern support
+    rc, out, err = run(argv, 20)
+    if rc != 0:
+        return result("gpu_xid", "", FAIL, "journalctl -k -b: {} (no journal of this boot? "
+                      "Action: check systemd-journald)".format(first_line(err) or f"exited {rc}"),
+                      started), counts
+    for line in out.splitlines():
+        if line.startswith("-- cursor: "):
+            state["journal_cursor"] = line[len("-- cursor: "):].strip()
+            continue
+        match = XID_RE.search(line)
+        if not match:
+            continue
         code = int(match.group(2))
-        counts[code] = counts.get(code, 0) + 1
+        counts[str(code)] = counts.get(str(code), 0) + 1
         if code in cfg["xid_fatal"]:
-            fatal.append(f"Xid {code} on {match.group(1)}")
+            seen = fatal.setdefault(pci_key(match.group(1)), {}).setdefault(
+                str(code), {"first": time.time(), "count": 0})
+            seen["count"] += 1
+            seen["message"] = line.strip()[-200:]
     if fatal:
-        return result("gpu_xid", "", FAIL, "in the last {} min: {}".format(
-            window, ", ".join(sorted(set(fatal)))), started), counts
-    seen = ", ".join(f"Xid {c} x{n}" for c, n in sorted(counts.items())) or "none"
-    return result("gpu_xid", "", OK, f"no fatal Xid in the last {window} min ({seen})",
-                  started), counts
+        by_pci = {pci_key(g["bus_id"]): g for g in gpus}
+        problems = []
+        for pci, codes in sorted(fatal.items()):
+            gpu = by_pci.get(pci)
+            name = gpu_name(gpu) if gpu else "GPU at PCI " + pci
+            for code, seen in sorted(codes.items(), key=lambda item: int(item[0])):
+                problems.append("Xid {} on {} ({}x since {}). Action: {}".format(
+                    code, name, seen["count"], time.strftime(
+                        "%Y-%m-%d %H:%M:%S", time.localtime(seen["first"])),
+                    XID_ACTIONS.get(int(code), "drain the host and reset the GPU")))
+        return result("gpu_xid", "", FAIL, "; ".join(problems) + " (red until a reboot, or "
+                      "healthcheck.py --clear-xid PCI after the GPU reset)", started), counts
+    seen = ", ".join(f"Xid {c} x{n}" for c, n in sorted(counts.items(), key=lambda i: int(
+        i[0]))) or "none"
+    return result("gpu_xid", "", OK, f"no fatal Xid this boot ({seen})", started), counts
+
+
+def read_text(path):
+    try:
+        with open(path, encoding="utf-8", errors="replace") as handle:
+            return handle.read().strip()
+    except OSError:
+        return None
+
+
+def ib_ports(root, devices):
+    """[{hca, port, state, phys_state, rate_gbps, link_layer, counters}] from sysfs."""
+    found = []
+    names = devices or (sorted(os.listdir(root)) if os.path.isdir(root) else [])
+    for hca in names:
+        ports_dir = os.path.join(root, hca, "ports")
+        ports = sorted(os.listdir(ports_dir), key=int) if os.path.isdir(ports_dir) else []
+        if not ports:
+            found.append({"hca": hca, "port": None})
+        for port in ports:
+            base = os.path.join(ports_dir, port)
+            counters = {}
+            for counter in IB_COUNTERS:
+                value = read_text(os.path.join(base, "counters", counter))
+                if value is not None and value.isdigit():
+                    counters[counter] = int(value)
+            rate = read_text(os.path.join(base, "rate")) or ""
+            match = re.match(r"\s*([\d.]+)\s*Gb/sec", rate)
+            found.append({
+                "hca": hca, "port": int(port),
+                # "4: ACTIVE", "5: LinkUp": the name after the number
+                "state": (read_text(os.path.join(base, "state")) or "?").split(":")[-1].strip(),
+                "phys_state": (read_text(os.path.join(base, "phys_state")) or "?").split(
+                    ":")[-1].strip(),
+                "rate_gbps": float(match.group(1)) if match else None,
+                "link_layer": read_text(os.path.join(base, "link_layer")) or "",
+                "counters": counters})
+    return found
+
+
+def check_ib(cfg, state):
+    """The HCA ports the plan moves KV data over: up, at full rate, error counters steady.
+    Returns (result, ports for the metrics)."""
+    started = time.monotonic()
+    ports = ib_ports(cfg["sysfs"], cfg["devices"])
+    if not ports:
+        return result("ib", "", FAIL, "no InfiniBand/RoCE device under {}, but this host's "
+                      "plan moves data over RDMA. Action: check the HCA (lspci), its driver "
+                      "(mlx5_ib) and the rdma role".format(cfg["sysfs"]), started), []
+    problems = []
+    live = [p for p in ports if p["port"] is not None]
+    for missing in (p for p in ports if p["port"] is None):
+        problems.append("HCA {}: not found under {}. Action: check the HCA and its driver "
+                        "(lspci, dmesg)".format(missing["hca"], cfg["sysfs"]))
+    best = max([p["rate_gbps"] or 0 for p in live] or [0])
+    want = cfg["min_rate_gbps"] or best
+    before, now = state.get("counters", {}), {}
+    for p in live:
+        name = "HCA {} port {}".format(p["hca"], p["port"])
+        if p["state"] != "ACTIVE" or p["phys_state"] != "LinkUp":
+            problems.append(f"{name}: {p['state']} (physical {p['phys_state']}). Action: check "
+                            "the cable, transceiver and switch port (ibstat; the switch's log)")
+        elif p["rate_gbps"] is not None and p["rate_gbps"] < want:
+            problems.append("{}: {:g} Gb/s, expected {:g}. Action: the link trained below its "
+                            "speed: reseat or replace the cable or transceiver, check the "
+                            "switch port's speed".format(name, p["rate_gbps"], want))
+        key = "{}/{}".format(p["hca"], p["port"])
+        now[key] = p["counters"]
+        for counter, value in sorted(p["counters"].items()):
+            last = before.get(key, {}).get(counter)
+            rise = value if last is None or value < last else value - last
+            limit = cfg["error_delta_max"].get(counter, cfg["error_delta_max"]["default"])
+            if last is not None and rise > limit:
+                problems.append(f"{name}: {counter} rose by {rise} since the last run (more "
+                                f"than {limit}). Action: the link is flapping or degrading: "
+                                "check the cable and the switch port")
+    state["counters"] = now
+    return verdict("ib", problems, f"{len(live)} ports ACTIVE/LinkUp at {want:g} Gb/s or more, "
+                   "error counters steady", started), live
 
 
 def check_cache(cfg):
@@ -496,12 +820,15 @@ def load_state(path, log):
             state = json.load(handle)
         if not isinstance(state.get("units"), dict):
             raise ValueError("no units")
+        for key in ("gpu", "ib"):
+            if not isinstance(state.setdefault(key, {}), dict):
+                raise ValueError(f"{key} is not an object")
         return state
     except FileNotFoundError:
-        return {"version": 1, "units": {}}
+        return {"version": 1, "units": {}, "gpu": {}, "ib": {}}
     except (OSError, ValueError, AttributeError) as exc:
         log(f"state file {path} unreadable ({exc}): starting from empty state")
-        return {"version": 1, "units": {}}
+        return {"version": 1, "units": {}, "gpu": {}, "ib": {}}
 
 
 def atomic_write(path, text, mode=0o644):
@@ -625,7 +952,73 @@ def render_metrics(families):
     return "\n".join(lines) + "\n"
 
 
-def metrics(cfg, results, statuses, state, gpus, xids, free, ran_at):
+def gpu_families(gpu, xids, fatal):
+    """The per-GPU metric families: gpu is check_nvidia's data."""
+    gpus = gpu.get("gpus") or []
+    families = []
+
+    def per_gpu(name, kind, text, values):
+        samples = []
+        for g in gpus:
+            for labels, value in values(g):
+                if value is not None:
+                    samples.append((dict({"gpu": g["index"], "uuid": g["uuid"] or ""}, **labels),
+                                    value))
+        if samples:
+            families.append((name, kind, text, samples))
+
+    per_gpu("gpufleet_gpu_info", "gauge", "1 per GPU the driver sees, with its identity.",
+            lambda g: [({"pci": g["bus_id"] or "", "name": g["name"] or ""}, 1)])
+    per_gpu("gpufleet_gpu_ecc_uncorrected_errors", "gauge",
+            "Uncorrected ECC errors per GPU (volatile: since the driver loaded; aggregate: "
+            "lifetime).", lambda g: [({"counter": c}, g["ecc_errors"][c]["uncorrectable"])
+                                     for c in ("volatile", "aggregate")])
+    per_gpu("gpufleet_gpu_remapped_rows", "gauge", "Rows remapped, by error kind.",
+            lambda g: [({"kind": k}, v) for k, v in sorted(g["remapped_rows"].items())])
+    per_gpu("gpufleet_gpu_remap_pending", "gauge",
+            "1 when a row remap (or page retirement) waits for a GPU reset.",
+            lambda g: [({}, None if g["remapped_rows_pending"] is None and
+                        g["retirement_pending"] is None else
+                        bool(g["remapped_rows_pending"] or g["retirement_pending"]))])
+    per_gpu("gpufleet_gpu_remap_failed", "gauge", "1 when row remapping failed (RMA).",
+            lambda g: [({}, g["remapped_rows_failure"])])
+    per_gpu("gpufleet_gpu_pcie_link_gen", "gauge", "PCIe generation, current and maximum.",
+            lambda g: [({"which": w}, g["pcie"]["gen_" + w]) for w in ("current", "max")])
+    per_gpu("gpufleet_gpu_pcie_link_width", "gauge", "PCIe lanes, current and maximum.",
+            lambda g: [({"which": w}, g["pcie"]["width_" + w]) for w in ("current", "max")])
+    per_gpu("gpufleet_gpu_clock_event_active", "gauge",
+            "1 while the clock event reason holds the GPU's clocks down.",
+            lambda g: [({"reason": r}, g["clock_events"].get(r))
+                       for r in ("sw_power_cap",) + tuple(CLOCK_FAULTS)])
+    per_gpu("gpufleet_gpu_temperature_celsius", "gauge", "GPU core temperature.",
+            lambda g: [({}, g["temperature_c"])])
+    per_gpu("gpufleet_gpu_fabric_ok", "gauge",
+            "1 when the GPU's NVLink fabric is Completed/Success (NVSwitch systems only).",
+            lambda g: [({}, gpu_facts.fabric_ok(g["fabric"]) if g["fabric"]["state"]
+                        else None)])
+    links, errors = gpu.get("links") or {}, gpu.get("nvlink_errors") or {}
+    per_gpu("gpufleet_gpu_nvlink_links", "gauge", "NVLink links by state.",
+            lambda g: [({"state": st}, sum(1 for link in links[g["index"]]
+                                           if link["active"] == (st == "active")))
+                       for st in ("active", "inactive")] if g["index"] in links else [])
+    per_gpu("gpufleet_gpu_nvlink_errors", "gauge",
+            "NVLink error counters summed over the GPU's links, since the driver loaded.",
+            lambda g: [({"counter": c}, v) for c, v in sorted(
+                errors.get(g["index"], {}).items())])
+    if xids is not None:
+        families.append(("gpufleet_gpu_xid_events_total", "counter",
+                         "Xid events read from the kernel log this boot.",
+                         [({"xid": code}, n) for code, n in sorted(
+                             xids.items(), key=lambda item: int(item[0]))]))
+    families.append(("gpufleet_gpu_xid_fatal", "gauge",
+                     "1 while a fatal Xid on the GPU at this PCI address is unresolved (until "
+                     "a reboot, or --clear-xid after a GPU reset).",
+                     [({"pci": pci, "xid": code}, 1) for pci, codes in sorted(fatal.items())
+                      for code in sorted(codes, key=int)]))
+    return families
+
+
+def metrics(cfg, results, statuses, state, gpu, xids, free, ib, ran_at, took):
     checks = [r for r in results if r["status"] != NA]
     restarts = []
     for unit in cfg["units"]:
@@ -668,26 +1061,68 @@ def metrics(cfg, results, statuses, state, gpus, xids, free, ran_at):
         families.append(("gpufleet_cache_free_bytes", "gauge",
                          "Free bytes for unprivileged users on the cache filesystem.",
                          [({"path": cfg["cache"]["path"]}, free)]))
-    if gpus:
-        samples = []
-        for g in gpus:
-            for counter in ("volatile", "aggregate"):
-                if g[counter] is not None:
-                    samples.append(({"gpu": g["index"], "uuid": g["uuid"],
-                                     "counter": counter}, g[counter]))
-        families.append(("gpufleet_gpu_ecc_uncorrected_errors", "gauge",
-                         "Uncorrected ECC errors per GPU (volatile: since the driver "
-                         "loaded; aggregate: lifetime).", samples))
-    if xids is not None:
-        families.append(("gpufleet_gpu_xid_events", "gauge",
-                         "Xid events in the kernel log during the look-back window.",
-                         [({"xid": code}, n) for code, n in sorted(xids.items())]))
+    families += gpu_families(gpu, xids, state.get("gpu", {}).get("xid_fatal", {}))
+    if ib:
+        port = [({"hca": p["hca"], "port": p["port"]}, p) for p in ib]
+        families += [
+            ("gpufleet_ib_port_up", "gauge", "1 when the port is ACTIVE and LinkUp.",
+             [(labels, p["state"] == "ACTIVE" and p["phys_state"] == "LinkUp")
+              for labels, p in port]),
+            ("gpufleet_ib_port_rate_gbps", "gauge", "The port's current rate.",
+             [(labels, p["rate_gbps"]) for labels, p in port if p["rate_gbps"] is not None]),
+            ("gpufleet_ib_port_errors", "gauge", "The port's error counters (sysfs).",
+             [(dict(labels, counter=c), v) for labels, p in port
+              for c, v in sorted(p["counters"].items())]),
+        ]
     families.append(("gpufleet_health_last_run_timestamp_seconds", "gauge",
                      "Unix time the health checker last finished a run.", [({}, ran_at)]))
+    families.append(("gpufleet_health_run_duration_seconds", "gauge",
+                     "Wall time of the checker's last run.", [({}, took)]))
     return render_metrics(families)
 
 
 # ------------------------------------------------------------------------------ main
+
+
+def clear_xid(cfg, which, log):
+    """Forget fatal Xids of the GPU at PCI address `which` (or `all`) after its reset."""
+    path = cfg["state_file"]
+    with open(path + ".lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        state = load_state(path, log)
+        fatal = state["gpu"].get("xid_fatal", {})
+        gone = sorted(fatal) if which == "all" else [k for k in fatal if k == pci_key(which)]
+        if not gone:
+            log("no fatal Xid recorded for {} (recorded: {})".format(
+                which, ", ".join(sorted(fatal)) or "none"))
+            return 1
+        for key in gone:
+            del fatal[key]
+        atomic_write(path, json.dumps(state, indent=1, sort_keys=True) + "\n")
+    log("cleared the fatal Xids of {}".format(", ".join(gone)))
+    return 0
+
+
+def host_checks(cfg, state, out):
+    """The host's checks in order (the Xid check names GPUs from the GPU check's data);
+    each check's results land in out[check] as (results, data) even when it raises."""
+    def gpus():
+        return ((out.get("nvidia") or ([], {}))[1] or {}).get("gpus", [])
+
+    jobs = [("nvidia", GPU_CHECKS, lambda: check_nvidia(cfg["gpu"], state["gpu"])),
+            ("gpu_xid", ("gpu_xid",), lambda: check_xid(cfg["gpu"], state["gpu"], gpus()))]
+    if cfg["ib"]:
+        jobs.append(("ib", ("ib",), lambda: check_ib(cfg["ib"], state["ib"])))
+    if cfg["cache"]:
+        jobs.append(("cache", ("cache",), lambda: check_cache(cfg["cache"])))
+    for name, checks, fn in jobs:
+        started = time.monotonic()
+        try:
+            found, data = fn()
+            out[name] = (found if isinstance(found, list) else [found], data)
+        except Exception as exc:  # noqa: BLE001 - a check that raises is an error, not a pass
+            out[name] = ([crashed(c, "", exc, started) for c in checks], None)
+    return jobs
 
 
 def main(argv=None):
@@ -696,6 +1131,9 @@ def main(argv=None):
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     parser.add_argument("--no-restart", action="store_true",
                         help="observe only: never restart, leave the state file alone")
+    parser.add_argument("--clear-xid", metavar="PCI",
+                        help="after resetting a GPU: forget its fatal Xids (PCI address as "
+                             "the check names it, or all) and exit")
     args = parser.parse_args(argv)
     logfile = sys.stderr if args.json else sys.stdout
 
@@ -709,31 +1147,39 @@ def main(argv=None):
         if args.json:
             print(json.dumps({"healthy": False, "exit_code": 2, "error": str(exc)}))
         return 2
+    if args.clear_xid:
+        return clear_xid(cfg, args.clear_xid, log)
 
     started = time.monotonic()
-    statuses = {u["unit"]: safe_unit_status(u["unit"]) for u in cfg["units"]}
     results = []
+    state_path = cfg["state_file"]
+    lock = None
+    if not args.no_restart:  # one run at a time changes the state (cursor, streaks)
+        try:
+            lock = open(state_path + ".lock", "a")  # noqa: SIM115 - held until written
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        except OSError as exc:
+            log(f"FAIL state   - state file {state_path}: {exc}")
+            results.append(result("state", "", FAIL, f"{state_path}: {exc}", started))
+            lock = None
+    state = load_state(state_path, log)
+    statuses = {u["unit"]: safe_unit_status(u["unit"]) for u in cfg["units"]}
     host_out = {}
-    # check name, function, its config, what the metrics get when it raises
-    host_jobs = [("gpu", check_gpu, cfg["gpu"], []), ("gpu_xid", check_xid, cfg["gpu"], None)]
-    if cfg["cache"]:
-        host_jobs.append(("cache", check_cache, cfg["cache"], None))
-
-    def host_checks():
-        for check, fn, conf, empty in host_jobs:
-            host_out[check] = guarded_host(check, fn, conf, empty)
-
     jobs = []
     for unit in cfg["units"]:
         out = []
         jobs.append((unit, out, threading.Thread(
             target=check_unit, args=(unit, statuses[unit["unit"]], out), daemon=True)))
-    host_thread = threading.Thread(target=host_checks, daemon=True)
+    host_jobs = [("nvidia", GPU_CHECKS), ("gpu_xid", ("gpu_xid",))] + (
+        [("ib", ("ib",))] if cfg["ib"] else []) + (
+        [("cache", ("cache",))] if cfg["cache"] else [])
+    host_thread = threading.Thread(target=host_checks, args=(cfg, state, host_out),
+                                   daemon=True)
     for _, _, thread in jobs:
         thread.start()
     host_thread.start()
     budget = max([u["health_timeout_s"] + u["generate_timeout_s"] for u in cfg["units"]] +
-                 [cfg["gpu"]["timeout_s"] + 20]) + 10
+                 [3 * cfg["gpu"]["timeout_s"] + 20]) + 10
     deadline = started + budget
 
     def no_result(check, unit, thread):
@@ -751,54 +1197,45 @@ def main(argv=None):
                               if c not in done])
     host_thread.join(max(0.0, deadline - time.monotonic()))
     extras = {}
-    for check, _, _, _ in host_jobs:
-        if check in host_out:
-            res, extras[check] = host_out[check]
-            results.append(res)
+    for name, checks in host_jobs:
+        if name in host_out:
+            found, extras[name] = host_out[name]
+            results.extend(found)
         else:
-            results.append(no_result(check, "", host_thread))
-    gpus, xids, free = extras.get("gpu") or [], extras.get("gpu_xid"), extras.get("cache")
+            results.extend(no_result(c, "", host_thread) for c in checks)
+    gpu, xids, free = extras.get("nvidia") or {}, extras.get("gpu_xid"), extras.get("cache")
+    ib = extras.get("ib") or []
 
     for r in results:
-        log("{:<4} {:<8} {} {:.3f}s {}".format(r["status"].upper(), r["check"], r["unit"] or "-",
-                                              r["duration_s"], r["detail"]))
+        log("{:<4} {:<10} {} {:.3f}s {}".format(r["status"].upper(), r["check"],
+                                               r["unit"] or "-", r["duration_s"], r["detail"]))
 
     failed = {r["unit"] for r in results if r["status"] == FAIL and r["unit"]}
     errored = {r["unit"] for r in results if r["status"] == ERROR and r["unit"]} - failed
-    state_path = cfg["state_file"]
-    decisions = {}
-    if args.no_restart:
-        state = load_state(state_path, log)
-        scratch = json.loads(json.dumps(state))
-        decisions = decide_restarts(cfg, statuses, failed, scratch, log, act=False,
-                                    errored=errored)
-    else:
-        lock_path = state_path + ".lock"
+    # observing only: the streaks a run would count, on a copy (the metrics show the saved)
+    decisions = decide_restarts(cfg, statuses, failed, state if lock else json.loads(
+        json.dumps(state)), log, act=lock is not None, errored=errored)
+    if lock is not None:
         try:
-            with open(lock_path, "a") as lock:
-                fcntl.flock(lock, fcntl.LOCK_EX)
-                state = load_state(state_path, log)
-                decisions = decide_restarts(cfg, statuses, failed, state, log, act=True,
-                                            errored=errored)
-                state["updated"] = time.time()
-                atomic_write(state_path, json.dumps(state, indent=1, sort_keys=True) + "\n")
+            state["updated"] = time.time()
+            atomic_write(state_path, json.dumps(state, indent=1, sort_keys=True) + "\n")
         except OSError as exc:
             log(f"FAIL state   - state file {state_path}: {exc}")
             results.append(result("state", "", FAIL, f"{state_path}: {exc}", started))
-            state = {"units": {}}
+        lock.close()
     for name, text in decisions.items():
         log(f"INFO restart  {name} {text}")
 
     healthy = all(r["status"] in (OK, NA) for r in results)
+    took = time.monotonic() - started
     try:
-        atomic_write(cfg["textfile"], metrics(cfg, results, statuses, state, gpus, xids,
-                                              free, time.time()))
+        atomic_write(cfg["textfile"], metrics(cfg, results, statuses, state, gpu, xids,
+                                              free, ib, time.time(), round(took, 4)))
     except OSError as exc:
         log("FAIL metrics - {}: {}".format(cfg["textfile"], exc))
         healthy = False
     code = 0 if healthy else 1
-    log("{}: {} in {:.2f}s".format(cfg["host"], "healthy" if healthy else "UNHEALTHY",
-                              time.monotonic() - started))
+    log("{}: {} in {:.2f}s".format(cfg["host"], "healthy" if healthy else "UNHEALTHY", took))
     if args.json:
         units = {}
         for unit in cfg["units"]:

@@ -157,6 +157,12 @@ def _ecc_counts(node):
     return result
 
 
+PCIE = "pci/pci_gpu_link_info/"
+# nvidia-smi -q -x <clocks_event_reasons> (older drivers: <clocks_throttle_reasons>, not read)
+CLOCK_EVENTS = ("gpu_idle", "sw_power_cap", "hw_slowdown", "hw_thermal_slowdown",
+                "hw_power_brake_slowdown", "sw_thermal_slowdown")
+
+
 def parse_nvidia_smi_xml(text):
     """Parse ``nvidia-smi -q -x``."""
     root = ET.fromstring(text.strip())
@@ -189,6 +195,23 @@ def parse_nvidia_smi_xml(text):
                 },
                 "remapped_rows_pending": to_bool(_text(gpu, "remapped_rows/remapped_row_pending")),
                 "remapped_rows_failure": to_bool(_text(gpu, "remapped_rows/remapped_row_failure")),
+                "remapped_rows": {
+                    "correctable": to_int(_text(gpu, "remapped_rows/remapped_row_corr")),
+                    "uncorrectable": to_int(_text(gpu, "remapped_rows/remapped_row_unc")),
+                },
+                "retirement_pending": to_bool(_text(gpu, "retired_pages/pending_retirement")),
+                "pcie": {
+                    "gen_current": to_int(_text(gpu, PCIE + "pcie_gen/current_link_gen")),
+                    "gen_max": to_int(_text(gpu, PCIE + "pcie_gen/max_link_gen")),
+                    "width_current": to_int(_text(gpu, PCIE + "link_widths/current_link_width")),
+                    "width_max": to_int(_text(gpu, PCIE + "link_widths/max_link_width")),
+                },
+                "clock_events": {
+                    reason: to_bool(_text(gpu, "clocks_event_reasons/clocks_event_reason_"
+                                          + reason))
+                    for reason in CLOCK_EVENTS
+                },
+                "temperature_c": to_int(_text(gpu, "temperature/gpu_temp")),
                 "memory_mib": to_int(_text(gpu, "fb_memory_usage/total")),
                 "memory_used_mib": to_int(_text(gpu, "fb_memory_usage/used")),
                 "power_limit_w": to_float(_text(gpu, "gpu_power_readings/current_power_limit")),
@@ -306,6 +329,29 @@ def parse_nvlink_status(text):
                 {"link": int(link.group(1)), "active": speed is not None, "speed_gbps": speed}
             )
     return gpus
+
+
+def parse_nvlink_errors(text):
+    """Parse ``nvidia-smi nvlink -e``: {GPU index: {counter: sum over its links}}.
+
+    Lines look like ``Link 3: Replay Errors: 0``; the counter is the name in snake case
+    without "errors" (replay, recovery, crc; what a driver adds is kept under its own name).
+    """
+    out = {}
+    current = None
+    for line in text.splitlines():
+        head = re.match(r"GPU (\d+): ", line)
+        if head:
+            current = out.setdefault(int(head.group(1)), {})
+            continue
+        item = re.match(r"\s*Link \d+: ([^:]+): *(\S+)", line)
+        if item and current is not None:
+            name = re.sub(r"[^a-z0-9]+", "_", item.group(1).lower())
+            name = re.sub(r"_?errors?$", "", name).strip("_") or "errors"
+            value = to_int(item.group(2))
+            if value is not None:
+                current[name] = current.get(name, 0) + value
+    return out
 
 
 def parse_proc_driver_version(text):

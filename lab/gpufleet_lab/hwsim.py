@@ -297,6 +297,30 @@ volumes = ["{LAB}:{LAB}:ro", "{LIB}:{LIB}:ro"]
 """
 
 
+# The HCAs' sysfs (/sys/class/infiniband/<hca>/ports/<n>/...) as files: a lab host's /sys is
+# the controller's, read-only, so the health checker reads them here (health_ib_sysfs in
+# inventories/lab); the health tests change the counters as a flapping link would.
+IB_SYSFS = f"{LAB}/sys/class/infiniband"
+
+
+def ib_sysfs(hw: dict) -> dict[str, tuple[bytes, int]]:
+    files = {}
+    ib = hw.get("ib") or {}
+    for h in hw.get("hcas", []):
+        port = f"{IB_SYSFS}/{h['name']}/ports/1"
+        up = h["port_state"] == "Active"
+        rate = ib["rate"] if up else 10
+        values = {"state": "4: ACTIVE" if up else "1: DOWN",
+                  "phys_state": "5: LinkUp" if up else "2: Polling",
+                  "rate": f"{rate} Gb/sec (4X {'NDR' if rate >= 400 else 'SDR'})",
+                  "link_layer": ib["link_layer"]}
+        values.update({f"counters/{c}": "0" for c in (
+            "link_downed", "link_error_recovery", "symbol_error", "port_rcv_errors")})
+        for name, text in values.items():
+            files[f"{port}/{name}"] = (f"{text}\n".encode(), 0o644)
+    return files
+
+
 def render(profile: str, faults: list[str], hostname: str) -> dict[str, tuple[bytes, int]]:
     """Files for one lab host: ``{absolute path: (content, mode)}``."""
     hw = build_hw(profile, list(faults), hostname)
@@ -341,6 +365,7 @@ def render(profile: str, faults: list[str], hostname: str) -> dict[str, tuple[by
         files[AMD_CONTAINERS_CONF] = (AMD_CONTAINERS.encode(), 0o644)
     for path, tool in tools.items():
         files[path] = (WRAPPER.format(tool=tool, lib=LIB.lstrip("/")).encode(), 0o755)
+    files.update(ib_sysfs(hw))
     if hw["cpu_arch"] != platform.machine():
         # a Grace (aarch64) tray simulated on an x86-64 machine: `uname -m` tells the truth
         # of the simulated host, as nvidia-smi does for its GPUs

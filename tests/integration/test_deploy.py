@@ -97,7 +97,7 @@ def test_rolling_restart_of_one_role(lab):
 
 
 def test_the_health_timer_writes_metrics(lab):
-    path = "/var/lib/node_exporter/textfile_collector/gpufleet.prom"
+    path = "/var/lib/prometheus/node-exporter/gpufleet.prom"
     first = ssh("lab1", f"stat -c %Y {path}").strip()
     deadline = time.monotonic() + 60
     while ssh("lab1", f"stat -c %Y {path}").strip() == first and time.monotonic() < deadline:

@@ -93,7 +93,7 @@ def test_kill_9_of_the_health_checker_mid_run_leaves_its_files_whole(endpoint):
     assert out.strip().endswith("done") and "BROKEN" not in out, out
     state = json.loads(ssh("lab1", "cat /var/lib/gpufleet/health-state.json"))
     assert "gpufleet-decode.service" in state["units"]
-    metrics = ssh("lab1", "cat /var/lib/node_exporter/textfile_collector/gpufleet.prom")
+    metrics = ssh("lab1", "cat /var/lib/prometheus/node-exporter/gpufleet.prom")
     assert re.search(r"^gpufleet_health_ok(\{[^}]*\})? 1$", metrics, re.M), metrics
     assert health()[0] == 0
 

@@ -176,7 +176,7 @@ def test_rolling_restart_a_killed_engine_and_health_work_as_for_venv_units(deplo
     assert int(restarts) >= 1, restarts
     proc = fab("health", "--target", TARGET)
     assert proc.returncode == 0, proc.stdout[-3000:]
-    path = "/var/lib/node_exporter/textfile_collector/gpufleet.prom"
+    path = "/var/lib/prometheus/node-exporter/gpufleet.prom"
     metrics = ssh("lab1", f"cat {path}", check=True)
     assert 'gpufleet_health_check_ok{check="generate",unit="gpufleet-router.service"} 1' \
         in metrics, metrics

@@ -103,10 +103,11 @@ def test_vm_fabric_needs_no_fabric_manager_hgx_still_runs_one(_lab_session, tmp_
                                        " --no-restart 2>/dev/null"))
                   for h in ("lab1", "lab2")}
         units = {h: [c["unit"] for c in r["checks"] if c["unit"]] for h, r in health.items()}
-        gpu = {h: next(c for c in r["checks"] if c["check"] == "gpu") for h, r in health.items()}
+        fabric = {h: next(c for c in r["checks"] if c["check"] == "gpu_fabric")
+                  for h, r in health.items()}
         assert units == {"lab1": [], "lab2": ["nvidia-fabricmanager.service"]}, health
-        assert "NVLink fabric Completed/Success" in gpu["lab1"]["detail"], gpu
-        assert "NVLink fabric" not in gpu["lab2"]["detail"], gpu
+        assert "2 GPUs: NVLink fabric Completed/Success" in fabric["lab1"]["detail"], fabric
+        assert "8 GPUs: NVLink fabric Completed/Success" in fabric["lab2"]["detail"], fabric
         assert health["lab1"]["healthy"] and health["lab2"]["healthy"], health
     finally:
         lab_hosts.up(hosts=2)

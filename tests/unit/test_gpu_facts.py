@@ -485,18 +485,30 @@ def test_health_checker_checks_an_external_fabric_state(monkeypatch, state, heal
         .read_text()
         .replace("<state>Completed</state>", f"<state>{state}</state>")
     )
+    nvlink = (H200X2 / "nvlink-s.txt").read_text()
+    outputs = {("-q", "-x"): xml, ("nvlink", "-s"): nvlink, ("nvlink", "-e"): ""}
     monkeypatch.setattr(healthcheck.shutil, "which", lambda tool: "/usr/bin/" + tool)
-    monkeypatch.setattr(healthcheck, "run", lambda argv, timeout: (0, xml, ""))
-    cfg = healthcheck.validate({"gpu": {"vendor": "nvidia", "count": 2, "fabric": True}})["gpu"]
-    result, gpus = healthcheck.check_gpu(cfg)
-    assert len(gpus) == 2
+    monkeypatch.setattr(healthcheck, "run", lambda argv, timeout: (0, outputs[tuple(argv[1:])],
+                                                                   ""))
+
+    def fabric_result(gpu):
+        cfg = healthcheck.validate({"gpu": gpu})["gpu"]
+        results, data = healthcheck.check_nvidia(cfg, {})
+        assert len(data["gpus"]) == 2
+        return next(r for r in results if r["check"] == "gpu_fabric")
+
+    result = fabric_result({"vendor": "nvidia", "count": 2, "fabric": True})
     if healthy:
         assert result["status"] == "ok", result
         assert "NVLink fabric Completed/Success" in result["detail"]
     else:
         assert result["status"] == "fail"
-        assert "GPU 0 In Progress/Success, GPU 1 In Progress/Success" in result["detail"]
-        assert "Fix: the hypervisor's fabric manager" in result["detail"]
-    # without the flag (a local fabric manager's unit is checked instead) the state is not
-    off = healthcheck.validate({"gpu": {"vendor": "nvidia", "count": 2}})["gpu"]
-    assert healthcheck.check_gpu(off)[0]["status"] == "ok"
+        assert "GPU 1 (GPU-fda287b8-4d96-ad0b-7f3d-0efabb9894f4, 00000000:00:07.0): fabric " \
+               "In Progress/Success" in result["detail"]
+        assert "Action: the fabric is managed outside this host: the hypervisor's fabric " \
+               "manager" in result["detail"]
+    # a host that runs its own fabric manager: the same state, its fix
+    result = fabric_result({"vendor": "nvidia", "count": 2})
+    assert result["status"] == ("ok" if healthy else "fail")
+    if not healthy:
+        assert "Action: check nvidia-fabricmanager" in result["detail"]

@@ -38,7 +38,7 @@ def engine(name, port, grace=3600, depends_on=(FM,)):
 ONE_NODE = {
     "version": 1,
     "host": "workers-1",
-    "textfile": "/var/lib/node_exporter/textfile_collector/gpufleet.prom",
+    "textfile": "/var/lib/prometheus/node-exporter/gpufleet.prom",
     "state_file": "/var/lib/gpufleet/health-state.json",
     "restart": {"enabled": True, "after_failures": 3, "cooldown_s": 3600},
     "units": [
@@ -57,8 +57,12 @@ ONE_NODE = {
                 "checker does not restart them meanwhile"},
     ],
     "cache": {"path": "/var/cache/gpufleet/hf", "min_free_gib": 10.0},
-    "gpu": {"vendor": "nvidia", "count": 8, "timeout_s": 30, "xid_window_min": 5,
-            "xid_fatal": [48, 61, 62, 64, 74, 79, 95, 119, 120, 140, 154], "fabric": False},
+    "gpu": {"vendor": "nvidia", "count": 8, "timeout_s": 30,
+            "xid_fatal": [48, 61, 62, 64, 74, 79, 95, 119, 120, 140, 154],
+            "ecc_aggregate_max": 10,
+            "nvlink_error_delta_max": {"recovery": 0, "replay": 100, "crc": 100, "default": 100},
+            "fabric": False},
+    "ib": None,
 }
 
 
@@ -90,6 +94,16 @@ def test_two_nodes_each_host_checks_its_own_units():
         FM: []}
     decode = config(plan, "decode-1")["units"][0]
     assert decode["health_url"] == "http://decode-1:9090/health"
+
+
+def test_hosts_that_move_kv_over_rdma_check_their_hca_ports():
+    plan = make_plan("h200-disagg")
+    for host in ("prefill-1", "decode-1"):
+        assert config(plan, host)["ib"] == {
+            "sysfs": "/sys/class/infiniband", "devices": [], "min_rate_gbps": None,
+            "error_delta_max": {"link_downed": 0, "link_error_recovery": 0, "default": 100}}
+    assert config(plan, "prefill-1", ib_min_rate_gbps="400")["ib"]["min_rate_gbps"] == 400.0
+    assert config(make_plan("h200-pd-1node"), "workers-1")["ib"] is None  # NVLink only
 
 
 def test_replicas_each_host_gets_the_one_node_config_with_its_name():

@@ -29,6 +29,9 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 XML = REPO / "tests" / "fixtures" / "hardware" / "h200-1gpu" / "nvidia-smi-q.xml"
+# the real 2x H200 (NV18): both GPUs' fabric Completed/Success, 18 links each
+XML2 = REPO / "tests" / "fixtures" / "hardware" / "h200x2" / "nvidia-smi-q.xml"
+NVLINK_S = XML2.parent / "nvlink-s.txt"
 KEY = "sk-gpufleet-SECRET-3f9a1c"
 UNIT = "gpufleet-router.service"
 MODEL = "zai-org/GLM-5.3-Flash"
@@ -58,11 +61,18 @@ elif verb == "is-active":
 elif verb == "restart":
     sys.exit(0 if u else 5)
 '''
+# -q -x from FAKE_NVIDIA_SMI_XML; nvlink -s / -e from the files next to it (none: the
+# empty output of a GPU without NVLink, as on the real 1x H200)
 FAKE_NVIDIA_SMI = r'''
 import os, sys
-if sys.argv[1:] != ["-q", "-x"]:
+xml = os.environ["FAKE_NVIDIA_SMI_XML"]
+files = {("-q", "-x"): xml, ("nvlink", "-s"): xml + ".nvlink-s",
+         ("nvlink", "-e"): xml + ".nvlink-e"}
+path = files.get(tuple(sys.argv[1:]))
+if path is None:
     sys.exit(9)
-sys.stdout.write(open(os.environ["FAKE_NVIDIA_SMI_XML"]).read())
+if os.path.exists(path):
+    sys.stdout.write(open(path).read())
 '''
 # The installed checker with one of its functions replaced by one that raises, as a
 # bug or an unexpected environment would (a TypeError took the host checks down once).
@@ -78,10 +88,30 @@ def boom(*args, **kwargs):
 setattr(healthcheck, name, boom)
 sys.exit(healthcheck.main(sys.argv[3:]))
 '''
+# journalctl -k over the lines of FAKE_KERNEL_LOG (a file): the cursor is a line number
 FAKE_JOURNALCTL = r'''
 import os, sys
-sys.stdout.write(os.environ.get("FAKE_KERNEL_LOG", ""))
+with open(os.environ["FAKE_KERNEL_LOG_ARGV"], "a") as f:
+    f.write(" ".join(sys.argv[1:]) + "\n")
+lines = open(os.environ["FAKE_KERNEL_LOG"]).read().splitlines(True)
+after = [a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--after-cursor=")]
+start = int(after[0].split("line=")[1]) if after else 0
+sys.stdout.write("".join(lines[start:]))
+if "--show-cursor" in sys.argv and len(lines) > start:
+    sys.stdout.write("-- cursor: s=fake;line=%d\n" % len(lines))
 '''
+
+
+def nvlink_errors(gpus: int, links: int, **bump: int) -> str:
+    """`nvidia-smi nvlink -e` text: every counter 0 except bump["g0_l3_replay"] = n."""
+    lines = []
+    for g in range(gpus):
+        lines.append(f"GPU {g}: NVIDIA H200 (UUID: GPU-{g})")
+        for link in range(links):
+            for counter, name in (("replay", "Replay Errors"), ("recovery", "Recovery Errors"),
+                                  ("crc", "CRC Errors")):
+                lines.append(f"\t Link {link}: {name}: {bump.get(f'g{g}_l{link}_{counter}', 0)}")
+    return "\n".join(lines) + "\n"
 
 
 def write_tool(bindir: Path, name: str, body: str) -> None:
@@ -199,8 +229,17 @@ class Host:
         write_tool(self.bin, "nvidia-smi", FAKE_NVIDIA_SMI)
 
     def journal(self, text: str) -> None:
-        self.env["FAKE_KERNEL_LOG"] = text
+        """Kernel log lines appended since the last run (the journal grows)."""
+        log = self.root / "kernel.log"
+        with log.open("a") as handle:
+            handle.write(text)
+        self.env["FAKE_KERNEL_LOG"] = str(log)
+        self.env["FAKE_KERNEL_LOG_ARGV"] = str(self.root / "journalctl.argv")
         write_tool(self.bin, "journalctl", FAKE_JOURNALCTL)
+
+    def nvlink(self, status: str, errors: str = "") -> None:
+        (self.root / "nvidia-smi.xml.nvlink-s").write_text(status)
+        (self.root / "nvidia-smi.xml.nvlink-e").write_text(errors)
 
     def write_config(self, engine: Engine | None = None, units: list | None = None,
                      **top) -> dict:
@@ -308,8 +347,8 @@ def parse_exposition(text: str) -> dict:
     return samples
 
 
-def value(samples: dict, name: str, **labels) -> float:
-    key = (name, tuple(sorted((k, str(v)) for k, v in labels.items())))
+def value(samples: dict, metric: str, /, **labels) -> float:
+    key = (metric, tuple(sorted((k, str(v)) for k, v in labels.items())))
     assert key in samples, f"{key} not in metrics: {sorted(samples)}"
     return samples[key]
 
@@ -378,8 +417,10 @@ def test_json_output_for_fab_health(host, engine):
     assert_no_secret(host, proc)
 
 
-ALL_CHECKS = [("active", UNIT), ("health", UNIT), ("generate", UNIT), ("gpu", ""),
-              ("gpu_xid", ""), ("cache", "")]
+GPU_CHECKS = ["gpu", "gpu_ecc", "gpu_remap", "gpu_pcie", "gpu_clocks", "gpu_fabric",
+              "gpu_nvlink"]
+ALL_CHECKS = [("active", UNIT), ("health", UNIT), ("generate", UNIT)] + [
+    (c, "") for c in GPU_CHECKS] + [("gpu_xid", ""), ("cache", "")]
 
 
 @pytest.mark.parametrize("name,errors,message", [
@@ -388,19 +429,23 @@ ALL_CHECKS = [("active", UNIT), ("health", UNIT), ("generate", UNIT), ("gpu", ""
     ("check_health", [("health", UNIT)], "check raised TypeError: injected fault in check_health"),
     ("check_generate", [("generate", UNIT)],
      "check raised TypeError: injected fault in check_generate"),
-    ("check_gpu", [("gpu", "")], "check raised TypeError: injected fault in check_gpu"),
+    ("check_nvidia", ALL_CHECKS[3:10], "check raised TypeError: injected fault in check_nvidia"),
+    ("gpu_nvlink", [("gpu_nvlink", "")], "check raised TypeError: injected fault in gpu_nvlink"),
     ("check_xid", [("gpu_xid", "")], "check raised TypeError: injected fault in check_xid"),
     ("check_cache", [("cache", "")], "check raised TypeError: injected fault in check_cache"),
     # the thread itself dies: every check it owned still gets a result
     ("check_unit", ALL_CHECKS[:3], "gave no result (its thread ended early)"),
-    ("guarded_host", ALL_CHECKS[3:], "gave no result (its thread ended early)"),
+    ("host_checks", ALL_CHECKS[3:], "gave no result (its thread ended early)"),
 ])
 def test_a_check_that_raises_is_an_error_never_a_pass(host, engine, name, errors, message):
-    host.nvidia_smi(XML.read_text())
+    host.nvidia_smi(XML2.read_text())  # two GPUs on NVLink: every GPU check applies
+    host.nvlink(NVLINK_S.read_text(), nvlink_errors(2, 18))
     host.journal("")
-    host.write_config(engine, gpu={"vendor": "nvidia", "count": 1},
+    host.write_config(engine, gpu={"vendor": "nvidia", "count": 2, "fabric": True},
                       restart={"after_failures": 1})
-    assert host.run("--no-restart").returncode == 0  # all six checks pass without the fault
+    proc = host.run("--no-restart")
+    assert proc.returncode == 0, proc.stdout  # every check passes without the fault
+    assert not re.search(r"^NA ", proc.stdout, re.M), proc.stdout
     proc = host.run_raising(name, "--json")
     assert proc.returncode == 1, proc.stdout + proc.stderr
     report = json.loads(proc.stdout)
@@ -590,30 +635,145 @@ def edit_gpu0(xml: str, old: str, new: str) -> str:
     return xml.replace(old, new, 1)
 
 
-@pytest.mark.parametrize("old,new,healthy,message", [
-    ("<dram_uncorrectable>0</dram_uncorrectable>",
-     "<dram_uncorrectable>2</dram_uncorrectable>", False, "GPU 0: 2 uncorrected ECC errors"),
-    ("<remapped_row_pending>No</remapped_row_pending>",
-     "<remapped_row_pending>Yes</remapped_row_pending>", False, "row remapping pending"),
-    ("<pending_retirement>N/A</pending_retirement>",
-     "<pending_retirement>Yes</pending_retirement>", False, "page retirement pending"),
-    ("<retired_count>N/A</retired_count>", "<retired_count>N/A</retired_count>", True, "1 GPUs"),
-])
-def test_gpu_health_from_nvidia_smi(host, engine, old, new, healthy, message):
-    host.nvidia_smi(edit_gpu0(XML.read_text(), old, new))
-    host.write_config(engine, gpu={"vendor": "nvidia"})
+GPU1 = "GPU 1 (GPU-fda287b8-4d96-ad0b-7f3d-0efabb9894f4, 00000000:00:07.0)"
+
+
+def edit_gpu1(xml: str, old: str, new: str) -> str:
+    """The real 2x H200 capture with one change in GPU 1's block."""
+    head, gpu1 = xml.split("<gpu id=\"00000000:00:07.0\">")
+    assert old in gpu1, old
+    return head + "<gpu id=\"00000000:00:07.0\">" + gpu1.replace(old, new, 1)
+
+
+# fault in GPU 1 of the real 2x H200 capture -> the check that fails, what it says
+GPU_FAULTS = {
+    "uncorrectable ECC": ("<dram_uncorrectable>0</dram_uncorrectable>",
+                          "<dram_uncorrectable>2</dram_uncorrectable>", "gpu_ecc",
+                          "2 uncorrected ECC errors since the driver loaded. Action: drain the "
+                          "host and reset the GPU (nvidia-smi -r -i 1)"),
+    "remap pending": ("<remapped_row_pending>No</remapped_row_pending>",
+                      "<remapped_row_pending>Yes</remapped_row_pending>", "gpu_remap",
+                      "row remapping pending. Action: drain the host and reset the GPU"),
+    "remap failed": ("<remapped_row_failure>No</remapped_row_failure>",
+                     "<remapped_row_failure>Yes</remapped_row_failure>", "gpu_remap",
+                     "row remapping failed. Action: replace the GPU (RMA)"),
+    "PCIe at x8": ("<current_link_width>16x</current_link_width>",
+                   "<current_link_width>8x</current_link_width>", "gpu_pcie",
+                   "PCIe link x8 of x16. Action: reseat the GPU"),
+    "PCIe gen 3 while busy": (
+        "<clocks_event_reason_gpu_idle>Active</clocks_event_reason_gpu_idle>",
+        "<clocks_event_reason_gpu_idle>Not Active</clocks_event_reason_gpu_idle>"
+        "<!-- --><current_link_gen>3</current_link_gen>", "gpu_pcie",
+        "PCIe gen 3 of 5 while busy"),
+    "HW slowdown": ("<clocks_event_reason_hw_slowdown>Not Active<",
+                    "<clocks_event_reason_hw_slowdown>Active<", "gpu_clocks",
+                    "hardware slowdown (over temperature or a power brake). Action: check"),
+    "thermal": ("<clocks_event_reason_hw_thermal_slowdown>Not Active<",
+                "<clocks_event_reason_hw_thermal_slowdown>Active<", "gpu_clocks",
+                "hardware thermal slowdown. Action: check the GPU's cooling"),
+    "power brake": ("<clocks_event_reason_hw_power_brake_slowdown>Not Active<",
+                    "<clocks_event_reason_hw_power_brake_slowdown>Active<", "gpu_clocks",
+                    "power brake slowdown"),
+    "fabric Insufficient Resources": ("<status>Success</status>",
+                                      "<status>Insufficient Resources</status>", "gpu_fabric",
+                                      "fabric Completed/Insufficient Resources. Action: the "
+                                      "fabric is managed outside this host"),
+}
+
+
+@pytest.mark.parametrize("fault", sorted(GPU_FAULTS))
+def test_gpu_fault_matrix(host, engine, fault):
+    """Each fault in one GPU of the real 2x H200 capture: exactly its check fails, naming
+    the GPU (index, UUID, PCI address) and the action; the engine is left alone."""
+    old, new, check, message = GPU_FAULTS[fault]
+    xml = XML2.read_text()
+    if "<!-- -->" in new:  # two edits
+        first, second = new.split("<!-- -->")
+        xml = edit_gpu1(xml, old, first)
+        xml = edit_gpu1(xml, "<current_link_gen>5</current_link_gen>", second)
+    else:
+        xml = edit_gpu1(xml, old, new)
+    host.nvidia_smi(xml)
+    host.nvlink(NVLINK_S.read_text(), nvlink_errors(2, 18))
+    host.write_config(engine, gpu={"vendor": "nvidia", "count": 2, "fabric": True})
     proc = host.run()
-    assert proc.returncode == (0 if healthy else 1), proc.stdout
-    line = re.search(r"^(OK|FAIL) +gpu +- .*$", proc.stdout, re.M)
-    assert line and line.group(1) == ("OK" if healthy else "FAIL") and message in line.group(0)
+    assert proc.returncode == 1, proc.stdout
+    failed = re.findall(r"^FAIL (\S+) +- \S+ (.*)$", proc.stdout, re.M)
+    assert [c for c, _ in failed] == [check], proc.stdout
+    assert failed[0][1].startswith(GPU1 + ": ") and message in failed[0][1], failed[0][1]
     m = host.metrics()
-    assert value(m, "gpufleet_health_check_ok", check="gpu", unit="") == int(healthy)
-    volatile = [v for (name, labels), v in m.items()
-                if name == "gpufleet_gpu_ecc_uncorrected_errors"
-                and ("counter", "volatile") in labels]
-    assert volatile == [2.0 if "dram_uncorrectable>2" in new else 0.0]
-    # the engine stays healthy and is not restarted for a GPU problem
+    assert value(m, "gpufleet_health_check_ok", check=check, unit="") == 0
     assert value(m, "gpufleet_health_check_ok", check="generate", unit=UNIT) == 1
+    assert host.restarts() == []
+
+
+def test_gpu_metrics_from_the_real_capture(host, engine):
+    host.nvidia_smi(edit_gpu1(XML2.read_text(), "<current_link_width>16x</current_link_width>",
+                              "<current_link_width>8x</current_link_width>"))
+    host.nvlink(NVLINK_S.read_text().replace("Link 17: 26.562 GB/s", "Link 17: <inactive>", 1),
+                nvlink_errors(2, 18))
+    host.write_config(engine, gpu={"vendor": "nvidia", "count": 2, "fabric": True})
+    proc = host.run()
+    m = host.metrics()
+    uuid0, uuid1 = "GPU-2d3d9486-4ce1-0b89-abc8-58be76664d0c", GPU1.split(" ")[2][1:-1]
+    assert value(m, "gpufleet_gpu_info", gpu=1, uuid=uuid1, pci="00000000:00:07.0",
+                 name="NVIDIA H200") == 1
+    assert value(m, "gpufleet_gpu_pcie_link_width", gpu=1, uuid=uuid1, which="current") == 8
+    assert value(m, "gpufleet_gpu_pcie_link_width", gpu=0, uuid=uuid0, which="current") == 16
+    assert value(m, "gpufleet_gpu_pcie_link_gen", gpu=1, uuid=uuid1, which="max") == 5
+    assert value(m, "gpufleet_gpu_temperature_celsius", gpu=1, uuid=uuid1) == 37
+    assert value(m, "gpufleet_gpu_fabric_ok", gpu=1, uuid=uuid1) == 1
+    assert value(m, "gpufleet_gpu_clock_event_active", gpu=0, uuid=uuid0,
+                 reason="hw_slowdown") == 0
+    assert value(m, "gpufleet_gpu_remap_failed", gpu=0, uuid=uuid0) == 0
+    assert value(m, "gpufleet_gpu_remapped_rows", gpu=0, uuid=uuid0, kind="uncorrectable") == 0
+    assert value(m, "gpufleet_gpu_nvlink_links", gpu=0, uuid=uuid0, state="active") == 17
+    assert value(m, "gpufleet_gpu_nvlink_links", gpu=0, uuid=uuid0, state="inactive") == 1
+    assert value(m, "gpufleet_gpu_nvlink_links", gpu=1, uuid=uuid1, state="active") == 18
+    assert re.search(r"^FAIL gpu_nvlink +- \S+ GPU 0 \(GPU-2d3d9486-\S+ 00000000:00:06.0\): "
+                     r"NVLink 17 inactive \(17 of 18 active\)\. Action: reset the GPU",
+                     proc.stdout, re.M), proc.stdout
+
+
+def test_nvlink_error_counters_fail_on_a_rise_not_on_their_level(host, engine):
+    host.nvidia_smi(XML2.read_text())
+    host.nvlink(NVLINK_S.read_text(), nvlink_errors(2, 18, g0_l3_replay=5000))
+    host.write_config(engine, gpu={"vendor": "nvidia", "count": 2, "fabric": True})
+    first = host.run()
+    assert first.returncode == 0, first.stdout  # a level from before: the baseline
+    assert value(host.metrics(), "gpufleet_gpu_nvlink_errors", gpu=0,
+                 uuid="GPU-2d3d9486-4ce1-0b89-abc8-58be76664d0c", counter="replay") == 5000
+    host.nvlink(NVLINK_S.read_text(), nvlink_errors(2, 18, g0_l3_replay=5050))
+    assert host.run().returncode == 0  # +50: under the replay limit (100)
+    host.nvlink(NVLINK_S.read_text(), nvlink_errors(2, 18, g0_l3_replay=5050,
+                                                    g1_l0_recovery=1))
+    proc = host.run()
+    assert proc.returncode == 1
+    assert re.search(rf"^FAIL gpu_nvlink +- \S+ {re.escape(GPU1)}: NVLink recovery errors "
+                     r"rose by 1 since the last run \(more than 0\)\. Action:", proc.stdout, re.M)
+    assert host.run().returncode == 0  # no further rise: green again
+    # the limits are the operator's
+    host.write_config(engine, gpu={"vendor": "nvidia", "count": 2, "fabric": True,
+                                   "nvlink_error_delta_max": {"replay": 10}})
+    host.nvlink(NVLINK_S.read_text(), nvlink_errors(2, 18, g0_l3_replay=5070,
+                                                    g1_l0_recovery=1))
+    proc = host.run()
+    assert proc.returncode == 1 and "NVLink replay errors rose by 20" in proc.stdout
+
+
+def test_no_nvlink_is_not_applicable_and_a_broken_tool_fails(host, engine):
+    host.nvidia_smi(XML.read_text())  # the real 1x H200: nvlink -s prints nothing
+    host.write_config(engine, gpu={"vendor": "nvidia", "count": 1})
+    proc = host.run()
+    assert proc.returncode == 0 and re.search(r"^NA +gpu_nvlink .*no NVLink", proc.stdout, re.M)
+    assert re.search(r"^NA +gpu_fabric .*not on an NVSwitch fabric", proc.stdout, re.M)
+    write_tool(host.bin, "nvidia-smi", "import sys, os\nif sys.argv[1:2] == ['nvlink']:\n"
+               "    print('Unable to query NVLink: Unknown Error'); sys.exit(255)\n"
+               "sys.stdout.write(open(os.environ['FAKE_NVIDIA_SMI_XML']).read())\n")
+    proc = host.run()
+    assert proc.returncode == 1
+    assert re.search(r"^FAIL gpu_nvlink .*nvidia-smi nvlink -s: Unable to query NVLink",
+                     proc.stdout, re.M)
 
 
 def test_lifetime_ecc_errors_are_exported_but_not_unhealthy(host, engine):
@@ -652,17 +812,98 @@ def test_gpu_tools_missing_or_broken(host, engine):
     assert proc.returncode == 1 and "1 GPUs visible, 8 expected" in proc.stdout
 
 
-def test_fatal_xid_in_kernel_log(host, engine):
-    host.journal("NVRM: Xid (PCI:0000:18:00): 13, pid=1234, Graphics Exception\n")
-    host.write_config(engine)
+def test_fatal_xid_is_read_once_and_stays_red_until_reset_or_reboot(host, engine):
+    boot = host.root / "boot_id"
+    boot.write_text("boot-1\n")
+    host.env["GPUFLEET_TEST_BOOT_ID"] = str(boot)  # read by the installed copy below
+    src = host.script.read_text()
+    host.script.write_text(src.replace('BOOT_ID = "/proc/sys/kernel/random/boot_id"',
+                                       'BOOT_ID = os.environ["GPUFLEET_TEST_BOOT_ID"]'))
+    host.nvidia_smi(XML2.read_text())
+    host.nvlink(NVLINK_S.read_text(), nvlink_errors(2, 18))
+    host.journal("NVRM: Xid (PCI:0000:00:07): 13, pid=1234, Graphics Exception\n")
+    host.write_config(engine, gpu={"vendor": "nvidia", "count": 2, "fabric": True})
     proc = host.run()
-    assert proc.returncode == 0, proc.stdout  # Xid 13: an application fault
-    assert value(host.metrics(), "gpufleet_gpu_xid_events", xid=13) == 1
-    host.journal("NVRM: Xid (PCI:0000:18:00): 79, pid=0, GPU has fallen off the bus.\n")
+    assert proc.returncode == 0, proc.stdout  # Xid 13: an application fault, counted
+    assert value(host.metrics(), "gpufleet_gpu_xid_events_total", xid=13) == 1
+    host.journal("NVRM: Xid (PCI:0000:00:07): 79, pid=0, GPU has fallen off the bus.\n")
+    for _ in range(7):  # many runs later (a time window would have forgotten it)
+        proc = host.run()
+        assert proc.returncode == 1
+    assert re.search(rf"^FAIL gpu_xid +- \S+ Xid 79 on {re.escape(GPU1)} \(1x since .*\)\. "
+                     r"Action: the GPU fell off the bus: reboot the host", proc.stdout, re.M)
+    m = host.metrics()
+    assert value(m, "gpufleet_gpu_xid_fatal", pci="0000:00:07", xid=79) == 1
+    # each event was read exactly once: the cursor moved on
+    assert value(m, "gpufleet_gpu_xid_events_total", xid=13) == 1
+    assert value(m, "gpufleet_gpu_xid_events_total", xid=79) == 1
+    argv = (host.root / "journalctl.argv").read_text().splitlines()
+    assert "--after-cursor" not in argv[0] and all("--after-cursor=s=fake;line=" in a
+                                                   for a in argv[1:])
+    # fab health (--no-restart) sees it too, and moves nothing
+    assert host.run("--no-restart").returncode == 1
+    # the operator resets the GPU and clears it
+    proc = host.run("--clear-xid", "0000:00:05.0")
+    assert proc.returncode == 1 and "recorded: 0000:00:07" in proc.stdout
+    proc = host.run("--clear-xid", "00000000:00:07.0")
+    assert proc.returncode == 0 and "cleared the fatal Xids of 0000:00:07" in proc.stdout
+    assert host.run().returncode == 0
+    assert ("gpufleet_gpu_xid_fatal", (("pci", "0000:00:07"), ("xid", "79"))) not in \
+        host.metrics()
+    # a new one, then a reboot: the old boot's Xids are gone, the new boot's log is read
+    host.journal("NVRM: Xid (PCI:0000:00:06): 48, pid=0, DBE\n")
+    proc = host.run()
+    assert proc.returncode == 1 and "Xid 48 on GPU 0 (" in proc.stdout
+    boot.write_text("boot-2\n")
+    (host.root / "kernel.log").write_text("")
+    proc = host.run()
+    assert proc.returncode == 0, proc.stdout
+    assert value(host.metrics(), "gpufleet_health_check_ok", check="gpu_xid", unit="") == 1
+
+
+def write_ib_port(root: Path, hca: str, state="4: ACTIVE", phys="5: LinkUp",
+                  rate="400 Gb/sec (4X NDR)", **counters: int) -> None:
+    """One HCA port as sysfs shows it (/sys/class/infiniband/<hca>/ports/1)."""
+    port = root / hca / "ports" / "1"
+    (port / "counters").mkdir(parents=True, exist_ok=True)
+    for name, text in (("state", state), ("phys_state", phys), ("rate", rate),
+                       ("link_layer", "InfiniBand")):
+        (port / name).write_text(text + "\n")
+    for name in ("link_downed", "link_error_recovery", "symbol_error", "port_rcv_errors"):
+        (port / "counters" / name).write_text(f"{counters.get(name, 0)}\n")
+
+
+def test_infiniband_ports_of_the_kv_path(host, engine):
+    sysfs = host.root / "infiniband"
+    for i in range(4):
+        write_ib_port(sysfs, f"mlx5_{i}")
+    host.write_config(engine, ib={"sysfs": str(sysfs)})
+    proc = host.run()
+    assert proc.returncode == 0, proc.stdout
+    assert re.search(r"^OK +ib +- .*4 ports ACTIVE/LinkUp at 400 Gb/s", proc.stdout, re.M)
+    m = host.metrics()
+    assert value(m, "gpufleet_ib_port_up", hca="mlx5_2", port=1) == 1
+    assert value(m, "gpufleet_ib_port_rate_gbps", hca="mlx5_2", port=1) == 400
+    # a port down, one trained at half its rate, one whose link went down and came back
+    write_ib_port(sysfs, "mlx5_1", state="1: DOWN", phys="3: Disabled")
+    write_ib_port(sysfs, "mlx5_2", rate="200 Gb/sec (4X HDR)")
+    write_ib_port(sysfs, "mlx5_3", link_downed=1, symbol_error=40)
     proc = host.run()
     assert proc.returncode == 1
-    assert re.search(r"^FAIL gpu_xid .*Xid 79 on PCI:0000:18:00", proc.stdout, re.M)
-    assert value(host.metrics(), "gpufleet_health_check_ok", check="gpu_xid", unit="") == 0
+    line = re.search(r"^FAIL ib +- \S+ (.*)$", proc.stdout, re.M).group(1)
+    assert "HCA mlx5_1 port 1: DOWN (physical Disabled). Action: check the cable" in line
+    assert "HCA mlx5_2 port 1: 200 Gb/s, expected 400. Action:" in line
+    assert "HCA mlx5_3 port 1: link_downed rose by 1 since the last run (more than 0)" in line
+    assert "symbol_error" not in line  # +40: under its limit
+    m = host.metrics()
+    assert value(m, "gpufleet_ib_port_up", hca="mlx5_1", port=1) == 0
+    assert value(m, "gpufleet_ib_port_errors", hca="mlx5_3", port=1, counter="link_downed") == 1
+    # the operator's rate; the plan's HCAs missing altogether
+    host.write_config(engine, ib={"sysfs": str(sysfs), "min_rate_gbps": 800})
+    assert "expected 800" in host.run().stdout
+    host.write_config(engine, ib={"sysfs": str(host.root / "none")})
+    proc = host.run()
+    assert proc.returncode == 1 and "no InfiniBand/RoCE device under" in proc.stdout
 
 
 def test_cache_filesystem_full(host, engine):

@@ -12,7 +12,8 @@ OPTIONS = (
     "host_services", "host_service_fix",
     "http_timeout_s", "generate_timeout_s", "startup_grace_s",
     "router_generate_path", "api_key_file", "cache_min_free_gib",
-    "gpu_timeout_s", "xid_window_min", "xid_fatal", "fabric_external",
+    "gpu_timeout_s", "xid_fatal", "ecc_aggregate_max", "nvlink_error_delta_max",
+    "fabric_external", "ib_sysfs", "ib_min_rate_gbps", "ib_error_delta_max",
 )
 
 
@@ -116,10 +117,20 @@ def health_config(slice_: dict, **options) -> dict:
             "vendor": gpu.get("vendor") if uses_gpus else None,
             "count": gpu.get("count") if uses_gpus else None,
             "timeout_s": int(opt["gpu_timeout_s"]),
-            "xid_window_min": int(opt["xid_window_min"]),
             "xid_fatal": [int(x) for x in opt["xid_fatal"]],
+            "ecc_aggregate_max": int(opt["ecc_aggregate_max"]),
+            "nvlink_error_delta_max": {k: int(v) for k, v in
+                                       opt["nvlink_error_delta_max"].items()},
             "fabric": fabric_external,
         },
+        # the HCA ports of a host whose plan moves data over RDMA (the KV path of PD)
+        "ib": {
+            "sysfs": opt["ib_sysfs"],
+            "devices": [],
+            "min_rate_gbps": (float(opt["ib_min_rate_gbps"])
+                              if opt["ib_min_rate_gbps"] not in (None, "") else None),
+            "error_delta_max": {k: int(v) for k, v in opt["ib_error_delta_max"].items()},
+        } if facts.get("rdma") else None,
     }
 
 

@@ -1,0 +1,81 @@
+#!/usr/bin/env python3
+"""What the health checker's GPU reads would cost through NVML (ctypes, stdlib only)
+instead of `nvidia-smi -q -x`: CPU and wall time of one pass over every GPU (uncorrected
+ECC, clock event reasons, PCIe width and generation, NVLink state of each link), and of
+nvmlInit alone. Prints one JSON document. Run it on a real GPU host.
+
+    python3 bench/nvml_cost.py [--rounds 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import statistics
+import time
+
+NVML_NVLINK_MAX_LINKS = 18
+
+
+def nvml():
+    lib = ctypes.CDLL("libnvidia-ml.so.1")
+
+    def call(name, *args):
+        rc = getattr(lib, name)(*args)
+        return rc
+
+    return lib, call
+
+
+def one_pass(lib, call):
+    """Every GPU once; returns the values read (so nothing is optimized away)."""
+    count = ctypes.c_uint()
+    call("nvmlDeviceGetCount_v2", ctypes.byref(count))
+    seen = []
+    for index in range(count.value):
+        handle = ctypes.c_void_p()
+        call("nvmlDeviceGetHandleByIndex_v2", index, ctypes.byref(handle))
+        ecc = ctypes.c_ulonglong()
+        # NVML_MEMORY_ERROR_TYPE_UNCORRECTED = 1, NVML_VOLATILE_ECC = 0
+        call("nvmlDeviceGetTotalEccErrors", handle, 1, 0, ctypes.byref(ecc))
+        reasons = ctypes.c_ulonglong()
+        call("nvmlDeviceGetCurrentClocksEventReasons", handle, ctypes.byref(reasons))
+        width, gen = ctypes.c_uint(), ctypes.c_uint()
+        call("nvmlDeviceGetCurrPcieLinkWidth", handle, ctypes.byref(width))
+        call("nvmlDeviceGetCurrPcieLinkGeneration", handle, ctypes.byref(gen))
+        links = []
+        for link in range(NVML_NVLINK_MAX_LINKS):
+            state = ctypes.c_uint()
+            rc = call("nvmlDeviceGetNvLinkState", handle, link, ctypes.byref(state))
+            if rc == 0:
+                links.append(state.value)
+        seen.append((ecc.value, reasons.value, width.value, gen.value, sum(links), len(links)))
+    return seen
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=20)
+    args = parser.parse_args()
+    lib, call = nvml()
+    cpu, wall = time.process_time(), time.monotonic()
+    rc = call("nvmlInit_v2")
+    init = {"rc": rc, "cpu_ms": (time.process_time() - cpu) * 1000,
+            "wall_ms": (time.monotonic() - wall) * 1000}
+    cpus, walls, seen = [], [], None
+    for _ in range(args.rounds):
+        cpu, wall = time.process_time(), time.monotonic()
+        seen = one_pass(lib, call)
+        cpus.append((time.process_time() - cpu) * 1000)
+        walls.append((time.monotonic() - wall) * 1000)
+    call("nvmlShutdown")
+    print(json.dumps({"init": init, "pass_cpu_ms_median": statistics.median(cpus),
+                      "pass_wall_ms_median": statistics.median(walls),
+                      "gpus": [dict(zip(("ecc_volatile_uncorrected", "clock_event_reasons",
+                                         "pcie_width", "pcie_gen", "nvlink_active",
+                                         "nvlink_links"), g)) for g in seen]}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

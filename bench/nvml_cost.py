@@ -72,9 +72,9 @@ def main():
     call("nvmlShutdown")
     print(json.dumps({"init": init, "pass_cpu_ms_median": statistics.median(cpus),
                       "pass_wall_ms_median": statistics.median(walls),
-                      "gpus": [dict(zip(("ecc_volatile_uncorrected", "clock_event_reasons",
-                                         "pcie_width", "pcie_gen", "nvlink_active",
-                                         "nvlink_links"), g)) for g in seen]}, indent=1))
+                      "gpus": [{"ecc_volatile_uncorrected": g[0], "clock_event_reasons": g[1],
+                                "pcie_width": g[2], "pcie_gen": g[3], "nvlink_active": g[4],
+                                "nvlink_links": g[5]} for g in seen]}, indent=1))
 
 
 if __name__ == "__main__":

@@ -103,6 +103,21 @@ def log(name, text):
 # --------------------------------------------------------------------------- nvidia-smi
 
 
+# Faults a GPU develops while the host runs (the health tests inject them): per GPU index,
+# values of the nvidia-smi -q -x tags that change (the first tag of that name in the GPU's
+# block: volatile ECC before aggregate, the fabric's <status>), NVLink links down and error
+# counters. {"xml": {"1": {"remapped_row_pending": "Yes"}}, "nvlink_inactive": {"0": [17]},
+#  "nvlink_errors": {"1": {"Recovery Errors": 1}}}
+GPU_FAULTS = "/var/lib/gpufleet-lab/gpu-faults.json"
+
+
+def gpu_faults():
+    try:
+        return json.loads(read(GPU_FAULTS) or "{}")
+    except ValueError:
+        return {}
+
+
 def persistence(hw):
     return read("/var/lib/gpufleet-lab/persistence").strip() == "1"
 
@@ -143,6 +158,7 @@ def nvsmi_xml(hw, gpus):
     head = sub(head, "attached_gpus", str(len(gpus)))
     state, status, clique, cluster, health = fabric(hw)
     pm = "Enabled" if persistence(hw) else "Disabled"
+    faults = gpu_faults()
     blocks = []
     for g in gpus:
         domain, bus, devfn = g["bus_id"].split(":")
@@ -187,6 +203,8 @@ def nvsmi_xml(hw, gpus):
             "max_power_limit",
         ):
             b = sub_in(b, "gpu_power_readings", tag, watts)
+        for tag, value in faults.get("xml", {}).get(str(g["index"]), {}).items():
+            b = sub(b, tag, value)
         blocks.append(b)
     return head + "".join(blocks) + "\n" + tail
 
@@ -296,12 +314,21 @@ def nvsmi_topo(hw, gpus):
     return text
 
 
-def nvsmi_nvlink(hw, gpus):
+def nvsmi_nvlink(hw, gpus, errors=False):
+    """nvlink -s (each link's speed, or <inactive>) or -e (each link's error counters)."""
     spec = hw["gpu"]
+    faults = gpu_faults()
     out = []
     for g in gpus:
         out.append(f"GPU {g['index']}: {spec['name']} (UUID: {g['uuid']})")
-        out += [f"\t Link {n}: {spec['nvlink_speed']}" for n in range(spec["nvlink_links"])]
+        down = faults.get("nvlink_inactive", {}).get(str(g["index"]), [])
+        counts = faults.get("nvlink_errors", {}).get(str(g["index"]), {})
+        for n in range(spec["nvlink_links"]):
+            if errors:  # a fault's counts land on link 0
+                out += [f"\t Link {n}: {name}: {counts.get(name, 0) if n == 0 else 0}"
+                        for name in ("Replay Errors", "Recovery Errors", "CRC Errors")]
+            else:
+                out.append(f"\t Link {n}: " + ("<inactive>" if n in down else spec["nvlink_speed"]))
     return "\n".join(out) + "\n"
 
 
@@ -440,6 +467,8 @@ def nvidia_smi(hw, args):
         sys.stdout.write(nvsmi_topo(hw, gpus))
     elif args[0] == "nvlink" and ("-s" in args or "--status" in args):
         sys.stdout.write(nvsmi_nvlink(hw, gpus))
+    elif args[0] == "nvlink" and ("-e" in args or "--errorcounters" in args):
+        sys.stdout.write(nvsmi_nvlink(hw, gpus, errors=True))
     elif args[0] in ("-pm", "--persistence-mode") or "--persistence-mode" in opts:
         value = opts.get("--persistence-mode") or args[1]
         enable = value in ("1", "ENABLED", "Enabled")

@@ -15,10 +15,11 @@ import re
 import signal
 import subprocess
 import time
+import urllib.request
 
 import openai
 import pytest
-from labutil import BIN, ENV, ROOT, changed_tasks, digests, fab, recap, ssh
+from labutil import BIN, ENV, ROOT, changed_tasks, digests, fab, playbook, recap, ssh
 
 from gpufleet_lab import net
 
@@ -149,6 +150,26 @@ def test_the_fabric_manager_stopping_is_named_with_the_fix(endpoint):
     finally:
         ssh("lab1", "systemctl start nvidia-fabricmanager.service", check=True)
     assert health()[0] == 0
+
+
+def test_node_exporter_serves_the_health_metrics_when_asked_for(endpoint):
+    """Optional: the distribution's node_exporter, whose textfile collector reads where the
+    checker writes; a Prometheus server scrapes the lab host as it would a real one."""
+    run = playbook("-i", "inventories/lab", "playbooks/health.yml",
+                   "-e", "gpufleet_target=" + TARGET, "-e", "gpufleet_node_exporter=true")
+    assert run.returncode == 0, run.stdout[-3000:]
+    assert ssh("lab1", "dpkg-query -W -f '${Status}' prometheus-node-exporter") == \
+        "install ok installed"
+    assert ssh("lab1", "systemctl is-enabled prometheus-node-exporter").strip() == "enabled"
+    address = net.host_address(1)  # lab1
+    with urllib.request.urlopen(f"http://{address}:9100/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    assert re.search(r"^gpufleet_health_ok 1$", text, re.M), text[-2000:]
+    assert re.search(r'^gpufleet_health_check_ok\{check="gpu_pcie",unit=""\} 1$', text, re.M)
+    again = playbook("-i", "inventories/lab", "playbooks/health.yml",
+                     "-e", "gpufleet_target=" + TARGET, "-e", "gpufleet_node_exporter=true")
+    assert again.returncode == 0 and recap(again.stdout)["lab1"]["changed"] == 0, \
+        again.stdout[-3000:]
 
 
 # ------------------------------------------------------------------ interrupted deploys

@@ -18,6 +18,12 @@ import time
 NVML_NVLINK_MAX_LINKS = 18
 
 
+class FabricInfo(ctypes.Structure):
+    """nvmlGpuFabricInfo_t: clusterUuid[16], status (an nvmlReturn_t), cliqueId, state."""
+    _fields_ = [("clusterUuid", ctypes.c_char * 16), ("status", ctypes.c_int),
+                ("cliqueId", ctypes.c_uint), ("state", ctypes.c_ubyte)]
+
+
 def nvml():
     lib = ctypes.CDLL("libnvidia-ml.so.1")
 
@@ -44,13 +50,26 @@ def one_pass(lib, call):
         width, gen = ctypes.c_uint(), ctypes.c_uint()
         call("nvmlDeviceGetCurrPcieLinkWidth", handle, ctypes.byref(width))
         call("nvmlDeviceGetCurrPcieLinkGeneration", handle, ctypes.byref(gen))
+        corr, unc, pending, failed = (ctypes.c_uint() for _ in range(4))
+        call("nvmlDeviceGetRemappedRows", handle, ctypes.byref(corr), ctypes.byref(unc),
+             ctypes.byref(pending), ctypes.byref(failed))
+        temp = ctypes.c_uint()
+        call("nvmlDeviceGetTemperature", handle, 0, ctypes.byref(temp))  # NVML_TEMPERATURE_GPU
+        max_width, max_gen = ctypes.c_uint(), ctypes.c_uint()
+        call("nvmlDeviceGetMaxPcieLinkWidth", handle, ctypes.byref(max_width))
+        call("nvmlDeviceGetMaxPcieLinkGeneration", handle, ctypes.byref(max_gen))
+        fabric = FabricInfo()
+        fabric_rc = call("nvmlDeviceGetGpuFabricInfo", handle, ctypes.byref(fabric))
         links = []
         for link in range(NVML_NVLINK_MAX_LINKS):
             state = ctypes.c_uint()
             rc = call("nvmlDeviceGetNvLinkState", handle, link, ctypes.byref(state))
             if rc == 0:
                 links.append(state.value)
-        seen.append((ecc.value, reasons.value, width.value, gen.value, sum(links), len(links)))
+        seen.append((ecc.value, reasons.value, width.value, gen.value, sum(links), len(links),
+                     corr.value, unc.value, pending.value, failed.value, temp.value,
+                     max_width.value, max_gen.value, fabric_rc, fabric.state, fabric.status,
+                     fabric.cliqueId))
     return seen
 
 
@@ -74,7 +93,13 @@ def main():
                       "pass_wall_ms_median": statistics.median(walls),
                       "gpus": [{"ecc_volatile_uncorrected": g[0], "clock_event_reasons": g[1],
                                 "pcie_width": g[2], "pcie_gen": g[3], "nvlink_active": g[4],
-                                "nvlink_links": g[5]} for g in seen]}, indent=1))
+                                "nvlink_links": g[5], "remapped_correctable": g[6],
+                                "remapped_uncorrectable": g[7], "remap_pending": g[8],
+                                "remap_failed": g[9], "temperature_c": g[10],
+                                "pcie_width_max": g[11], "pcie_gen_max": g[12],
+                                "fabric_rc": g[13], "fabric_state": g[14],
+                                "fabric_status": g[15], "fabric_clique": g[16]}
+                               for g in seen]}, indent=1))
 
 
 if __name__ == "__main__":

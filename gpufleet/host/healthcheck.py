@@ -863,9 +863,23 @@ def starting(unit, status):
         active == "active" and age is not None and age < unit["startup_grace_s"])
 
 
-def decide_restarts(cfg, statuses, failed, state, log, act, errored=()):
+# Host checks whose failure no unit restart can fix (a GPU that needs a reset, a link
+# down): while one fails, the units' failures are not counted (no restart loop on a dead
+# GPU). Slowdowns, PCIe width and cache room degrade a host without killing its engines.
+HOST_FAULT_CHECKS = ("gpu", "gpu_ecc", "gpu_remap", "gpu_fabric", "gpu_nvlink", "gpu_xid",
+                     "ib")
+
+
+def host_faults(results):
+    """The failed host checks that hold restarts, as "check" names."""
+    return sorted({r["check"] for r in results
+                   if not r["unit"] and r["check"] in HOST_FAULT_CHECKS and r["status"] == FAIL})
+
+
+def decide_restarts(cfg, statuses, failed, state, log, act, errored=(), held=()):
     """Advance failure streaks and restart units; returns {unit: decision text}. A unit
-    whose checks only raised (errored) keeps its streak as it was: no evidence either way."""
+    whose checks only raised (errored) keeps its streak as it was: no evidence either way;
+    so does every unit while a host fault holds restarts (held: the failed host checks)."""
     policy = cfg["restart"]
     now = time.time()
     decisions = {}
@@ -890,6 +904,10 @@ def decide_restarts(cfg, statuses, failed, state, log, act, errored=()):
         deps = [d for d in unit["depends_on"] if d in failed]
         if deps:
             decisions[name] = "not counted: depends on unhealthy {}".format(", ".join(deps))
+            continue
+        if held:
+            decisions[name] = ("not counted: the host is sick ({} failed); a restart cannot "
+                               "fix it".format(", ".join(held)))
             continue
         st["consecutive_failures"] += 1
         count, need = st["consecutive_failures"], policy["after_failures"]
@@ -1018,7 +1036,7 @@ def gpu_families(gpu, xids, fatal):
     return families
 
 
-def metrics(cfg, results, statuses, state, gpu, xids, free, ib, ran_at, took):
+def metrics(cfg, results, statuses, state, gpu, xids, free, ib, ran_at, took, held=()):
     checks = [r for r in results if r["status"] != NA]
     restarts = []
     for unit in cfg["units"]:
@@ -1076,6 +1094,11 @@ def metrics(cfg, results, statuses, state, gpu, xids, free, ib, ran_at, took):
         ]
     families.append(("gpufleet_health_last_run_timestamp_seconds", "gauge",
                      "Unix time the health checker last finished a run.", [({}, ran_at)]))
+    families.append(("gpufleet_host_fault", "gauge",
+                     "1 while this host check fails and holds the units' restarts (a GPU that "
+                     "needs a reset, a link down): the host should be drained.",
+                     [({"check": c}, c in held) for c in HOST_FAULT_CHECKS
+                      if any(r["check"] == c and r["status"] != NA for r in results)]))
     families.append(("gpufleet_health_run_duration_seconds", "gauge",
                      "Wall time of the checker's last run.", [({}, took)]))
     return render_metrics(families)
@@ -1213,8 +1236,9 @@ def main(argv=None):
     failed = {r["unit"] for r in results if r["status"] == FAIL and r["unit"]}
     errored = {r["unit"] for r in results if r["status"] == ERROR and r["unit"]} - failed
     # observing only: the streaks a run would count, on a copy (the metrics show the saved)
+    held = host_faults(results)
     decisions = decide_restarts(cfg, statuses, failed, state if lock else json.loads(
-        json.dumps(state)), log, act=lock is not None, errored=errored)
+        json.dumps(state)), log, act=lock is not None, errored=errored, held=held)
     if lock is not None:
         try:
             state["updated"] = time.time()
@@ -1225,12 +1249,15 @@ def main(argv=None):
         lock.close()
     for name, text in decisions.items():
         log(f"INFO restart  {name} {text}")
+    if held:
+        log("INFO host     - restarts held while {} fails: drain this host, fix what the check "
+            "names".format(", ".join(held)))
 
     healthy = all(r["status"] in (OK, NA) for r in results)
     took = time.monotonic() - started
     try:
         atomic_write(cfg["textfile"], metrics(cfg, results, statuses, state, gpu, xids,
-                                              free, ib, time.time(), round(took, 4)))
+                                              free, ib, time.time(), round(took, 4), held))
     except OSError as exc:
         log("FAIL metrics - {}: {}".format(cfg["textfile"], exc))
         healthy = False
@@ -1249,8 +1276,8 @@ def main(argv=None):
                     "consecutive_failures", 0),
                 "restart": decisions.get(name)}
         print(json.dumps({"host": cfg["host"], "healthy": healthy, "exit_code": code,
-                          "timestamp": time.time(), "checks": results, "units": units},
-                         indent=1, sort_keys=True))
+                          "timestamp": time.time(), "checks": results, "units": units,
+                          "host_fault": held}, indent=1, sort_keys=True))
     return code
 
 

@@ -906,6 +906,35 @@ def test_infiniband_ports_of_the_kv_path(host, engine):
     assert proc.returncode == 1 and "no InfiniBand/RoCE device under" in proc.stdout
 
 
+def test_a_sick_gpu_holds_restarts_until_it_is_fixed(host, engine):
+    """An engine failing on a GPU that fell off the bus: restarting it cannot help, so the
+    checker counts nothing and says to drain the host; once the fault is cleared, the
+    failures count again."""
+    engine.mode = "error"
+    host.nvidia_smi(XML2.read_text())
+    host.nvlink(NVLINK_S.read_text(), nvlink_errors(2, 18))
+    host.journal("NVRM: Xid (PCI:0000:00:07): 79, pid=0, GPU has fallen off the bus.\n")
+    host.write_config(engine, gpu={"vendor": "nvidia", "count": 2, "fabric": True},
+                      restart={"after_failures": 1, "cooldown_s": 0})
+    for _ in range(3):
+        proc = host.run("--json")
+        assert proc.returncode == 1
+    report = json.loads(proc.stdout)
+    assert report["host_fault"] == ["gpu_xid"]
+    assert "not counted: the host is sick (gpu_xid failed)" in report["units"][UNIT]["restart"]
+    assert "restarts held while gpu_xid fails: drain this host" in proc.stderr
+    assert host.restarts() == []
+    m = host.metrics()
+    assert value(m, "gpufleet_host_fault", check="gpu_xid") == 1
+    assert value(m, "gpufleet_host_fault", check="gpu_ecc") == 0
+    assert value(m, "gpufleet_unit_consecutive_failures", unit=UNIT) == 0
+    # the GPU was reset: the engine's failures are its own again, and restart it
+    assert host.run("--clear-xid", "all").returncode == 0
+    proc = host.run("--json")
+    assert json.loads(proc.stdout)["host_fault"] == []
+    assert len(host.restarts()) == 1, proc.stderr
+
+
 def test_cache_filesystem_full(host, engine):
     host.write_config(engine, cache={"path": str(host.cache), "min_free_gib": 10**9})
     proc = host.run()

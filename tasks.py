@@ -324,16 +324,7 @@ def health(c, target=None, inventory=DEFAULT_INVENTORY, format="text"):
     if format == "json":
         print(json.dumps({"hosts": results, "unreachable": bad}, indent=2))
     else:
-        rows = [["host", "check", "unit", "status", "detail"]]
-        for host, r in sorted(results.items()):
-            for ch in r.get("checks", []):
-                rows.append([host, ch["check"], ch.get("unit") or "-", ch["status"],
-                             str(ch.get("detail", ""))[:70]])
-            if r.get("error"):
-                rows.append([host, "checker", "-", "FAIL", r["error"][:70]])
-        cli.print_table(rows)
-        for h in bad:
-            print(f"{h}: unreachable")
+        cli.health_text(results, bad)
     if bad or not results or not all(r.get("healthy") for r in results.values()):
         raise Exit(code=1)
 

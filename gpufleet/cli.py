@@ -119,6 +119,31 @@ def print_table(rows: list[list[str]], out=sys.stdout) -> None:
             print("  ".join("-" * w for w in widths), file=out)
 
 
+def health_text(results: dict, unreachable: list[str], out=sys.stdout) -> None:
+    """`fab health`: one row per check (detail shortened), then every failing check's
+    whole detail (the component and the action are at its end) and each sick host."""
+    rows = [["host", "check", "unit", "status", "detail"]]
+    failing = []
+    for host, r in sorted(results.items()):
+        for ch in r.get("checks", []):
+            detail = str(ch.get("detail", ""))
+            rows.append([host, ch["check"], ch.get("unit") or "-", ch["status"],
+                         detail if len(detail) <= 70 else detail[:67] + "..."])
+            if ch["status"] in ("fail", "error") and len(detail) > 70:
+                failing.append(f"{host} {ch['check']} {ch.get('unit') or '-'}: {detail}")
+        if r.get("error"):
+            rows.append([host, "checker", "-", "FAIL", r["error"][:70]])
+    print_table(rows, out)
+    for line in failing:
+        print(line, file=out)
+    for host, r in sorted(results.items()):
+        if r.get("host_fault"):
+            print(f"{host}: SICK ({', '.join(r['host_fault'])}): restarts held; drain it and "
+                  "fix what the check says", file=out)
+    for host in unreachable:
+        print(f"{host}: unreachable", file=out)
+
+
 def plan_text(plan: Plan, out=sys.stdout) -> None:
     t = plan.target
     print(f"target    {t.name}: {t.summary}", file=out)

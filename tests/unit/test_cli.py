@@ -155,3 +155,24 @@ def test_an_unknown_name_still_gets_the_nearest_names():
     assert "unknown target 'sglang-h200-balanced-nvfp'" in proc.stderr
     assert "did you mean" in proc.stderr and "sglang-b200-balanced-nvfp4" in proc.stderr
 
+
+
+def test_fab_health_text_shows_the_whole_failure_and_the_sick_host():
+    import io
+
+    from gpufleet.cli import health_text
+
+    detail = ("Xid 79 on GPU 1 (GPU-fda287b8-4d96-ad0b-7f3d-0efabb9894f4, 00000000:00:07.0) "
+              "(1x since 2026-12-01 13:00:00). Action: the GPU fell off the bus: reboot the host")
+    results = {"lab1": {"healthy": False, "host_fault": ["gpu_xid"], "checks": [
+        {"check": "gpu_xid", "unit": "", "status": "fail", "detail": detail},
+        {"check": "cache", "unit": "", "status": "ok", "detail": "/cache: 90 GiB free"}]},
+        "lab2": {"healthy": True, "host_fault": [], "checks": [
+            {"check": "gpu", "unit": "", "status": "ok", "detail": "8 GPUs"}]}}
+    out = io.StringIO()
+    health_text(results, ["lab3"], out)
+    text = out.getvalue()
+    assert f"lab1 gpu_xid -: {detail}\n" in text  # the action is never cut off
+    assert "lab1: SICK (gpu_xid): restarts held; drain it" in text
+    assert "lab2: SICK" not in text and "lab3: unreachable" in text
+    assert max(len(line) for line in text.splitlines() if line.startswith("lab2")) < 100

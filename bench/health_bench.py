@@ -101,8 +101,8 @@ def main(argv=None):
                 continue
             with open(cfg["state_file"], encoding="utf-8") as handle:
                 cursor = json.load(handle).get("gpu", {}).get("journal_cursor")
-            argv_ = ["journalctl", "-k", "-b", "-o", "cat", "--no-pager", "-q",
-                     "--show-cursor"] + (["--after-cursor=" + cursor] if cursor else [])
+            argv_ = ["journalctl", "-k", "-o", "json", "--output-fields=MESSAGE", "--no-pager",
+                     "-q"] + (["--after-cursor=" + cursor] if cursor else [])
         got = [measure(argv_) for _ in range(args.rounds)]
         tools[name] = {"cpu_ms": summary([c * 1000 for _, c, _ in got]),
                        "wall_ms": summary([w * 1000 for w, _, _ in got]),

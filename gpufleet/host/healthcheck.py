@@ -679,19 +679,26 @@ def check_xid(cfg, state, gpus=()):
     counts = state.setdefault("xid_counts", {})
     if shutil.which("journalctl") is None:
         return result("gpu_xid", "", NA, "journalctl not found", started), counts
-    argv = ["journalctl", "-k", "-b", "-o", "cat", "--no-pager", "-q", "--show-cursor"]
+    # -k: this boot's kernel messages; JSON carries each entry's cursor (--show-cursor
+    # exits 1 when nothing is new, as in a container whose journal has no kernel message)
+    argv = ["journalctl", "-k", "-o", "json", "--output-fields=MESSAGE", "--no-pager", "-q"]
     if state.get("journal_cursor"):
         argv.append("--after-cursor=" + state["journal_cursor"])
     # filtered here rather than with -g: journalctl may be built without pattern support
     rc, out, err = run(argv, 20)
     if rc != 0:
-        return result("gpu_xid", "", FAIL, "journalctl -k -b: {} (no journal of this boot? "
-                      "Action: check systemd-journald)".format(first_line(err) or f"exited {rc}"),
+        return result("gpu_xid", "", FAIL, "journalctl -k: {}. Action: check "
+                      "systemd-journald".format(first_line(err) or f"exited {rc}"),
                       started), counts
-    for line in out.splitlines():
-        if line.startswith("-- cursor: "):
-            state["journal_cursor"] = line[len("-- cursor: "):].strip()
+    for entry in out.splitlines():
+        try:
+            entry = json.loads(entry)
+        except ValueError:
             continue
+        state["journal_cursor"] = entry.get("__CURSOR") or state.get("journal_cursor")
+        line = entry.get("MESSAGE") or ""
+        if isinstance(line, list):  # journald's form of a message that is not UTF-8
+            line = bytes(line).decode("utf-8", "replace")
         match = XID_RE.search(line)
         if not match:
             continue

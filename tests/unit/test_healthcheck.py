@@ -88,17 +88,18 @@ def boom(*args, **kwargs):
 setattr(healthcheck, name, boom)
 sys.exit(healthcheck.main(sys.argv[3:]))
 '''
-# journalctl -k over the lines of FAKE_KERNEL_LOG (a file): the cursor is a line number
+# journalctl -k -o json over the lines of FAKE_KERNEL_LOG (a file): the cursor is a line
+# number
 FAKE_JOURNALCTL = r'''
-import os, sys
+import json, os, sys
 with open(os.environ["FAKE_KERNEL_LOG_ARGV"], "a") as f:
     f.write(" ".join(sys.argv[1:]) + "\n")
-lines = open(os.environ["FAKE_KERNEL_LOG"]).read().splitlines(True)
+lines = open(os.environ["FAKE_KERNEL_LOG"]).read().splitlines()
 after = [a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--after-cursor=")]
 start = int(after[0].split("line=")[1]) if after else 0
-sys.stdout.write("".join(lines[start:]))
-if "--show-cursor" in sys.argv and len(lines) > start:
-    sys.stdout.write("-- cursor: s=fake;line=%d\n" % len(lines))
+assert "-k" in sys.argv and "json" in sys.argv, sys.argv
+for n, line in enumerate(lines[start:], start + 1):
+    print(json.dumps({"__CURSOR": "s=fake;line=%d" % n, "MESSAGE": line}))
 '''
 
 

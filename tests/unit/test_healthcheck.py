@@ -99,7 +99,9 @@ after = [a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--after-curso
 start = int(after[0].split("line=")[1]) if after else 0
 assert "-k" in sys.argv and "json" in sys.argv, sys.argv
 for n, line in enumerate(lines[start:], start + 1):
-    print(json.dumps({"__CURSOR": "s=fake;line=%d" % n, "MESSAGE": line}))
+    # a line starting "BYTES " is sent as journald sends a message that is not UTF-8
+    message = list(line[6:].encode()) + [0xff] if line.startswith("BYTES ") else line
+    print(json.dumps({"__CURSOR": "s=fake;line=%d" % n, "MESSAGE": message}))
 '''
 
 
@@ -851,8 +853,9 @@ def test_fatal_xid_is_read_once_and_stays_red_until_reset_or_reboot(host, engine
     assert host.run().returncode == 0
     assert ("gpufleet_gpu_xid_fatal", (("pci", "0000:00:07"), ("xid", "79"))) not in \
         host.metrics()
-    # a new one, then a reboot: the old boot's Xids are gone, the new boot's log is read
-    host.journal("NVRM: Xid (PCI:0000:00:06): 48, pid=0, DBE\n")
+    # a new one (in a message journald holds as bytes), then a reboot: the old boot's Xids
+    # are gone, the new boot's log is read
+    host.journal("BYTES NVRM: Xid (PCI:0000:00:06): 48, pid=0, DBE\n")
     proc = host.run()
     assert proc.returncode == 1 and "Xid 48 on GPU 0 (" in proc.stdout
     boot.write_text("boot-2\n")

@@ -105,6 +105,12 @@ def _positive(value):
 
 
 NUM = (int, float)
+COUNTER_LIMITS = "an object of counter: integer >= 0"
+
+
+def _counter_limits(value):
+    return all(isinstance(k, str) and isinstance(n, int) and not isinstance(n, bool) and n >= 0
+               for k, n in value.items())
 
 
 def load_config(path):
@@ -173,9 +179,8 @@ def validate(raw):
                                     lambda v: v >= 0, "an integer >= 0"),
         # how much an NVLink error counter may rise between two runs (default: any other)
         "nvlink_error_delta_max": dict(DEFAULT_NVLINK_DELTA, **_field(
-            gpu, "nvlink_error_delta_max", "gpu", (dict,), {}, lambda v: all(
-                isinstance(k, str) and isinstance(n, int) and not isinstance(n, bool)
-                and n >= 0 for k, n in v.items()), "an object of counter: integer >= 0")),
+            gpu, "nvlink_error_delta_max", "gpu", (dict,), {}, _counter_limits,
+            COUNTER_LIMITS)),
         "xid_fatal": _field(gpu, "xid_fatal", "gpu", (list,), DEFAULT_XID_FATAL,
                             lambda v: all(isinstance(x, int) for x in v), "a list of integers"),
         # the NVLink fabric is managed outside this host (gpu_facts.fabric_manager_mode
@@ -192,9 +197,7 @@ def validate(raw):
         "min_rate_gbps": _field(ib, "min_rate_gbps", "ib", NUM, None, _positive,
                                 "a number > 0 or null"),
         "error_delta_max": dict(DEFAULT_IB_DELTA, **_field(
-            ib, "error_delta_max", "ib", (dict,), {}, lambda v: all(
-                isinstance(k, str) and isinstance(n, int) and not isinstance(n, bool)
-                and n >= 0 for k, n in v.items()), "an object of counter: integer >= 0")),
+            ib, "error_delta_max", "ib", (dict,), {}, _counter_limits, COUNTER_LIMITS)),
     }
     return cfg
 
@@ -540,6 +543,23 @@ def gpu_fabric(cfg, gpus, started):
                   started)
 
 
+def counter_rises(before, now, limits):
+    """[(counter, rise, limit)] of the error counters that rose by more than their limit
+    (limits["default"] for the others) since the last run. A counter seen for the first
+    time is the baseline; one lower than before was reset (driver reload, GPU reset), so
+    its whole value is the rise."""
+    out = []
+    for counter, value in sorted(now.items()):
+        last = before.get(counter)
+        if last is None:
+            continue
+        rise = value if value < last else value - last
+        limit = limits.get(counter, limits["default"])
+        if rise > limit:
+            out.append((counter, rise, limit))
+    return out
+
+
 def gpu_nvlink(cfg, gpus, state, started):
     """NVLink state (nvidia-smi nvlink -s) and error counters' rise since the last run
     (nvidia-smi nvlink -e); returns (result, links by GPU index, errors by GPU index)."""
@@ -576,16 +596,11 @@ def gpu_nvlink(cfg, gpus, state, started):
         gpu = by_index.get(index)
         key = gpu["uuid"] if gpu and gpu["uuid"] else str(index)
         now[key] = counters
-        for counter, value in sorted(counters.items()):
-            last = before.get(key, {}).get(counter)
-            rise = value if last is None or value < last else value - last
-            limit = limits.get(counter, limits["default"])
-            if last is not None and rise > limit:
-                problems.append("{}: NVLink {} errors rose by {} since the last run (more than "
-                                "{}). Action: the link is degrading: drain the host and have "
-                                "the NVLink checked".format(
-                                    gpu_name(gpu) if gpu else f"GPU {index}", counter, rise,
-                                    limit))
+        for counter, rise, limit in counter_rises(before.get(key, {}), counters, limits):
+            problems.append("{}: NVLink {} errors rose by {} since the last run (more than "
+                            "{}). Action: the link is degrading: drain the host and have "
+                            "the NVLink checked".format(
+                                gpu_name(gpu) if gpu else f"GPU {index}", counter, rise, limit))
     state["nvlink_errors"] = now
     total = sum(len(items) for items in links.values())
     return verdict("gpu_nvlink", problems, f"{total} NVLink links active on {len(links)} GPUs, "
@@ -793,14 +808,11 @@ def check_ib(cfg, state):
                             "switch port's speed".format(name, p["rate_gbps"], want))
         key = "{}/{}".format(p["hca"], p["port"])
         now[key] = p["counters"]
-        for counter, value in sorted(p["counters"].items()):
-            last = before.get(key, {}).get(counter)
-            rise = value if last is None or value < last else value - last
-            limit = cfg["error_delta_max"].get(counter, cfg["error_delta_max"]["default"])
-            if last is not None and rise > limit:
-                problems.append(f"{name}: {counter} rose by {rise} since the last run (more "
-                                f"than {limit}). Action: the link is flapping or degrading: "
-                                "check the cable and the switch port")
+        for counter, rise, limit in counter_rises(before.get(key, {}), p["counters"],
+                                                  cfg["error_delta_max"]):
+            problems.append(f"{name}: {counter} rose by {rise} since the last run (more "
+                            f"than {limit}). Action: the link is flapping or degrading: "
+                            "check the cable and the switch port")
     state["counters"] = now
     return verdict("ib", problems, f"{len(live)} ports ACTIVE/LinkUp at {want:g} Gb/s or more, "
                    "error counters steady", started), live

@@ -1145,9 +1145,9 @@ def clear_xid(cfg, which, log):
     return 0
 
 
-def host_checks(cfg, state, out):
-    """The host's checks in order (the Xid check names GPUs from the GPU check's data);
-    each check's results land in out[check] as (results, data) even when it raises."""
+def host_jobs(cfg, state, out):
+    """The host's checks in the order they run, as (name, its check names, function); the
+    Xid check names GPUs from the GPU check's data in out."""
     def gpus():
         return ((out.get("nvidia") or ([], {}))[1] or {}).get("gpus", [])
 
@@ -1157,6 +1157,12 @@ def host_checks(cfg, state, out):
         jobs.append(("ib", ("ib",), lambda: check_ib(cfg["ib"], state["ib"])))
     if cfg["cache"]:
         jobs.append(("cache", ("cache",), lambda: check_cache(cfg["cache"])))
+    return jobs
+
+
+def host_checks(jobs, out):
+    """Run host_jobs one after the other; each one's results land in out[name] as
+    (results, data) even when it raises."""
     for name, checks, fn in jobs:
         started = time.monotonic()
         try:
@@ -1164,7 +1170,6 @@ def host_checks(cfg, state, out):
             out[name] = (found if isinstance(found, list) else [found], data)
         except Exception as exc:  # noqa: BLE001 - a check that raises is an error, not a pass
             out[name] = ([crashed(c, "", exc, started) for c in checks], None)
-    return jobs
 
 
 def main(argv=None):
@@ -1212,10 +1217,8 @@ def main(argv=None):
         out = []
         jobs.append((unit, out, threading.Thread(
             target=check_unit, args=(unit, statuses[unit["unit"]], out), daemon=True)))
-    host_jobs = [("nvidia", GPU_CHECKS), ("gpu_xid", ("gpu_xid",))] + (
-        [("ib", ("ib",))] if cfg["ib"] else []) + (
-        [("cache", ("cache",))] if cfg["cache"] else [])
-    host_thread = threading.Thread(target=host_checks, args=(cfg, state, host_out),
+    jobs_of_host = host_jobs(cfg, state, host_out)
+    host_thread = threading.Thread(target=host_checks, args=(jobs_of_host, host_out),
                                    daemon=True)
     for _, _, thread in jobs:
         thread.start()
@@ -1239,7 +1242,7 @@ def main(argv=None):
                               if c not in done])
     host_thread.join(max(0.0, deadline - time.monotonic()))
     extras = {}
-    for name, checks in host_jobs:
+    for name, checks, _ in jobs_of_host:
         if name in host_out:
             found, extras[name] = host_out[name]
             results.extend(found)

@@ -33,7 +33,6 @@ TOOLS = {
     "nvidia-smi -q -x": ["nvidia-smi", "-q", "-x"],
     "nvidia-smi nvlink -s": ["nvidia-smi", "nvlink", "-s"],
     "nvidia-smi nvlink -e": ["nvidia-smi", "nvlink", "-e"],
-    "journalctl -k (after cursor)": None,  # filled from the checker's state
 }
 
 
@@ -77,8 +76,7 @@ def main(argv=None):
         sys.exit("health_bench: nvidia-smi not found: run it on a GPU host or a lab host")
     gpus = gpu_count()
     work = tempfile.mkdtemp(prefix="health-bench-")
-    for name in ("healthcheck.py",):
-        shutil.copy(CHECKER, os.path.join(work, name))
+    shutil.copy(CHECKER, work)
     shutil.copy(os.path.join(REPO, "gpufleet", "module_utils", "gpu_facts.py"), work)
     cfg = {"version": 1, "host": args.label, "units": [],
            "textfile": os.path.join(work, "gpufleet.prom"),
@@ -94,15 +92,14 @@ def main(argv=None):
     first = subprocess.run(checker + ["--json"], capture_output=True, text=True)
     report = json.loads(first.stdout) if first.stdout.strip().startswith("{") else {}
     runs = [measure(checker) for _ in range(args.rounds)]
-    tools = {}
-    for name, argv_ in TOOLS.items():
-        if argv_ is None:
-            if shutil.which("journalctl") is None:
-                continue
-            with open(cfg["state_file"], encoding="utf-8") as handle:
-                cursor = json.load(handle).get("gpu", {}).get("journal_cursor")
-            argv_ = ["journalctl", "-k", "-o", "json", "--output-fields=MESSAGE", "--no-pager",
-                     "-q"] + (["--after-cursor=" + cursor] if cursor else [])
+    tools = dict(TOOLS)
+    if shutil.which("journalctl"):  # what the Xid check runs, after the cursor it keeps
+        with open(cfg["state_file"], encoding="utf-8") as handle:
+            cursor = json.load(handle).get("gpu", {}).get("journal_cursor")
+        tools["journalctl -k (after cursor)"] = [
+            "journalctl", "-k", "-o", "json", "--output-fields=MESSAGE", "--no-pager", "-q"] + (
+            ["--after-cursor=" + cursor] if cursor else [])
+    for name, argv_ in tools.items():
         got = [measure(argv_) for _ in range(args.rounds)]
         tools[name] = {"cpu_ms": summary([c * 1000 for _, c, _ in got]),
                        "wall_ms": summary([w * 1000 for w, _, _ in got]),

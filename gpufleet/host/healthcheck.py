@@ -614,9 +614,10 @@ def check_nvidia(cfg, state):
     data = {"gpus": [], "links": {}, "nvlink_errors": {}}
     vendor = cfg["vendor"]
 
-    def only(check_status, detail, status_rest=NA, rest=None):
+    def only(check_status, detail, rest=None):
+        """The gpu check's result; the others do not apply without its data."""
         first = result("gpu", "", check_status, detail, started)
-        others = [result(c, "", status_rest, rest or detail, started) for c in GPU_CHECKS[1:]]
+        others = [result(c, "", NA, rest or detail, started) for c in GPU_CHECKS[1:]]
         return [first] + others, data
 
     if vendor == "amd":

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import fcntl
 import glob
 import json
@@ -198,6 +199,11 @@ def validate(raw):
                                 "a number > 0 or null"),
         "error_delta_max": dict(DEFAULT_IB_DELTA, **_field(
             ib, "error_delta_max", "ib", (dict,), {}, _counter_limits, COUNTER_LIMITS)),
+    }
+    watch = _field(raw, "watch", "", (dict,), {})
+    cfg["watch"] = {
+        # how often the resident watcher (--watch) polls NVML or nvidia-smi and sysfs
+        "interval_s": _field(watch, "interval_s", "watch", NUM, 2, _positive, "a number > 0"),
     }
     return cfg
 
@@ -1173,6 +1179,153 @@ def host_checks(jobs, out):
             out[name] = ([crashed(c, "", exc, started) for c in checks], None)
 
 
+# ------------------------------------------------------------------------------ watcher
+# The timer's run (every minute) sees everything; the resident watcher sees a host fault
+# within seconds: it follows the kernel log for Xids (journalctl -f: event-driven) and
+# polls what a GPU or HCA fault changes (NVML through ctypes, or nvidia-smi -q -x where
+# NVML cannot be loaded; the HCAs' sysfs). When any of it changes, it runs the host's
+# checks (--host-only), which write the metrics and the state as the timer's run does.
+
+NVML_SLOWDOWN = 0x8 | 0x20 | 0x40 | 0x80  # HW slowdown, SW/HW thermal, HW power brake
+
+
+class FabricInfo(ctypes.Structure):
+    """nvmlGpuFabricInfo_t: clusterUuid[16], status (an nvmlReturn_t), cliqueId, state."""
+    _fields_ = [("cluster_uuid", ctypes.c_char * 16), ("status", ctypes.c_int),
+                ("clique_id", ctypes.c_uint), ("state", ctypes.c_ubyte)]
+
+
+class Nvml:
+    """The GPU fields a host fault changes, read through libnvidia-ml (a few microseconds per
+    call; nvidia-smi -q -x costs tens of milliseconds per GPU). Every call's return code is
+    part of what it reads: a GPU that falls off the bus changes it."""
+
+    def __init__(self, lib):
+        self.lib = lib
+
+    @classmethod
+    def open(cls, name="libnvidia-ml.so.1"):
+        try:
+            lib = ctypes.CDLL(name)
+            if lib.nvmlInit_v2() != 0:
+                return None
+        except (OSError, AttributeError):
+            return None
+        return cls(lib)
+
+    def _get(self, fn, handle, *args, kind=ctypes.c_uint, out=1):
+        values = [kind() for _ in range(out)]
+        func = getattr(self.lib, fn, None)
+        if func is None:
+            return ("missing",)
+        rc = func(handle, *args, *(ctypes.byref(v) for v in values))
+        return (rc,) + tuple(v.value for v in values) if rc == 0 else (rc,)
+
+    def signature(self):
+        count = ctypes.c_uint()
+        rc = self.lib.nvmlDeviceGetCount_v2(ctypes.byref(count))
+        gpus = [("count", rc, count.value)]
+        for index in range(count.value if rc == 0 else 0):
+            handle = ctypes.c_void_p()
+            rc = self.lib.nvmlDeviceGetHandleByIndex_v2(index, ctypes.byref(handle))
+            if rc != 0:
+                gpus.append((index, rc))
+                continue
+            # uncorrected errors (1) since boot (volatile, 0)
+            ecc = self._get("nvmlDeviceGetTotalEccErrors", handle, 1, 0, kind=ctypes.c_ulonglong)
+            # (rc, correctable, uncorrectable, pending, failed): the rows that moved and
+            # whether a remap waits for a reset or failed
+            remap = self._get("nvmlDeviceGetRemappedRows", handle, out=4)
+            reasons = self._get("nvmlDeviceGetCurrentClocksEventReasons", handle,
+                                kind=ctypes.c_ulonglong)
+            fabric = FabricInfo()
+            info = getattr(self.lib, "nvmlDeviceGetGpuFabricInfo", None)
+            frc = info(handle, ctypes.byref(fabric)) if info else "missing"
+            links = tuple(self._get("nvmlDeviceGetNvLinkState", handle, link)
+                          for link in range(18))
+            gpus.append((index, ecc, remap, reasons[:1] + tuple(
+                r & NVML_SLOWDOWN for r in reasons[1:]), (frc, fabric.state, fabric.status),
+                links))
+        return gpus
+
+
+def smi_signature(timeout):
+    """The fields of nvidia-smi -q -x that the host checks fail on (no NVML here)."""
+    rc, out, err = run(["nvidia-smi", "-q", "-x"], timeout)
+    if rc != 0:
+        return ("nvidia-smi", rc, first_line(err))
+    try:
+        gpus = gpu_facts.parse_nvidia_smi_xml(out)["gpus"]
+    except ET.ParseError as exc:
+        return ("nvidia-smi", "bad XML", str(exc))
+    return [(g["uuid"], g["bus_id"], g["ecc_errors"]["volatile"].get("uncorrectable"),
+             g["remapped_rows_pending"], g["remapped_rows_failure"],
+             tuple(g["clock_events"].get(c) for c in ("hw_slowdown", "hw_thermal_slowdown",
+                                                      "hw_power_brake_slowdown")),
+             g["fabric"]["state"], g["fabric"]["status"]) for g in gpus]
+
+
+def ib_signature(cfg):
+    return [(p["hca"], p["port"], p.get("state"), p.get("phys_state"), p.get("rate_gbps"),
+             (p.get("counters") or {}).get("link_downed"),
+             (p.get("counters") or {}).get("link_error_recovery"))
+            for p in ib_ports(cfg["sysfs"], cfg["devices"])]
+
+
+def follow_xids(wake, log, stop=None):
+    """Follow the kernel log; set wake on every Xid message. Restarts journalctl if it ends."""
+    argv = ["journalctl", "-k", "-f", "-n", "0", "-o", "json", "--output-fields=MESSAGE",
+            "-q", "--no-pager"]
+    while stop is None or not stop.is_set():
+        try:
+            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                    stderr=subprocess.DEVNULL)
+        except OSError as exc:
+            log(f"watch: journalctl: {exc}; Xids are seen by the timer's runs only")
+            return
+        for line in proc.stdout:
+            try:
+                message = json.loads(line).get("MESSAGE") or ""
+            except ValueError:
+                continue
+            if isinstance(message, list):
+                message = bytes(message).decode("utf-8", "replace")
+            if XID_RE.search(message):
+                wake.set()
+        proc.wait()
+        log(f"watch: journalctl -k -f ended ({proc.returncode}); following again in 5 s")
+        time.sleep(5)
+
+
+def watch(config, cfg, log, rounds=None):
+    """Stay resident; run the host's checks at start and whenever what they read changes."""
+    nvml = Nvml.open() if cfg["gpu"]["vendor"] != "amd" else None
+    smi = nvml is None and cfg["gpu"]["vendor"] == "nvidia" and shutil.which("nvidia-smi")
+    log("watch: every {:g}s: {}{}, Xids from journalctl -k -f".format(
+        cfg["watch"]["interval_s"], "GPUs through NVML" if nvml else
+        "GPUs through nvidia-smi -q -x" if smi else "no GPU poll",
+        ", HCA ports from sysfs" if cfg["ib"] else ""))
+    wake = threading.Event()
+    if shutil.which("journalctl"):
+        threading.Thread(target=follow_xids, args=(wake, log), daemon=True).start()
+    last, polls = None, 0
+    while rounds is None or polls < rounds:
+        polls += 1
+        now = {"gpu": nvml.signature() if nvml else smi_signature(
+            cfg["gpu"]["timeout_s"]) if smi else None,
+            "ib": ib_signature(cfg["ib"]) if cfg["ib"] else None}
+        changed = sorted(k for k in now if last is not None and now[k] != last[k])
+        if last is None or changed or wake.is_set():
+            why = "start" if last is None else ", ".join(changed + (
+                ["Xid in the kernel log"] if wake.is_set() else []))
+            wake.clear()
+            log(f"watch: running the host checks ({why})")
+            main(["--config", config, "--host-only"])
+        last = now
+        wake.wait(cfg["watch"]["interval_s"])
+    return 0
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default=DEFAULT_CONFIG)
@@ -1182,6 +1335,13 @@ def main(argv=None):
     parser.add_argument("--clear-xid", metavar="PCI",
                         help="after resetting a GPU: forget its fatal Xids (PCI address as "
                              "the check names it, or all) and exit")
+    parser.add_argument("--host-only", action="store_true",
+                        help="run the host's checks only (GPUs, Xid, HCAs, cache); the units' "
+                             "results in the metrics stay those of the last full run and no "
+                             "unit is restarted")
+    parser.add_argument("--watch", action="store_true",
+                        help="stay resident: poll what a host fault changes every "
+                             "watch.interval_s and run the host's checks when it changes")
     args = parser.parse_args(argv)
     logfile = sys.stderr if args.json else sys.stdout
 
@@ -1197,6 +1357,8 @@ def main(argv=None):
         return 2
     if args.clear_xid:
         return clear_xid(cfg, args.clear_xid, log)
+    if args.watch:
+        return watch(args.config, cfg, log)
 
     started = time.monotonic()
     results = []
@@ -1214,7 +1376,7 @@ def main(argv=None):
     statuses = {u["unit"]: safe_unit_status(u["unit"]) for u in cfg["units"]}
     host_out = {}
     jobs = []
-    for unit in cfg["units"]:
+    for unit in [] if args.host_only else cfg["units"]:
         out = []
         jobs.append((unit, out, threading.Thread(
             target=check_unit, args=(unit, statuses[unit["unit"]], out), daemon=True)))
@@ -1251,8 +1413,14 @@ def main(argv=None):
             results.extend(no_result(c, "", host_thread) for c in checks)
     gpu, xids, free = extras.get("nvidia") or {}, extras.get("gpu_xid"), extras.get("cache")
     ib = extras.get("ib") or []
+    if args.host_only:  # the units as the last full run found them
+        logged = list(results)
+        results = state.get("unit_results", []) + results
+    else:
+        logged = results
+        state["unit_results"] = [r for r in results if r["unit"]]
 
-    for r in results:
+    for r in logged:
         log("{:<4} {:<10} {} {:.3f}s {}".format(r["status"].upper(), r["check"],
                                                r["unit"] or "-", r["duration_s"], r["detail"]))
 
@@ -1260,8 +1428,14 @@ def main(argv=None):
     errored = {r["unit"] for r in results if r["status"] == ERROR and r["unit"]} - failed
     # observing only: the streaks a run would count, on a copy (the metrics show the saved)
     held = host_faults(results)
-    decisions = decide_restarts(cfg, statuses, failed, state if lock else json.loads(
-        json.dumps(state)), log, act=lock is not None, errored=errored, held=held)
+    decisions = {} if args.host_only else decide_restarts(
+        cfg, statuses, failed, state if lock else json.loads(json.dumps(state)), log,
+        act=lock is not None, errored=errored, held=held)
+    if held:  # fab status reads it: the host is sick since the first run that saw it
+        since = (state.get("host_fault") or {}).get("since") or time.time()
+        state["host_fault"] = {"checks": held, "since": since}
+    else:
+        state.pop("host_fault", None)
     if lock is not None:
         try:
             state["updated"] = time.time()
@@ -1269,7 +1443,6 @@ def main(argv=None):
         except OSError as exc:
             log(f"FAIL state   - state file {state_path}: {exc}")
             results.append(result("state", "", FAIL, f"{state_path}: {exc}", started))
-        lock.close()
     for name, text in decisions.items():
         log(f"INFO restart  {name} {text}")
     if held:
@@ -1284,6 +1457,8 @@ def main(argv=None):
     except OSError as exc:
         log("FAIL metrics - {}: {}".format(cfg["textfile"], exc))
         healthy = False
+    if lock is not None:  # held until the metrics are written: an older run never wins
+        lock.close()
     code = 0 if healthy else 1
     log("{}: {} in {:.2f}s".format(cfg["host"], "healthy" if healthy else "UNHEALTHY", took))
     if args.json:

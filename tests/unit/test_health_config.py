@@ -63,6 +63,7 @@ ONE_NODE = {
             "nvlink_error_delta_max": {"recovery": 0, "replay": 100, "crc": 100, "default": 100},
             "fabric": False},
     "ib": None,
+    "watch": {"interval_s": 2.0},
 }
 
 

@@ -10,6 +10,7 @@ timer and restarts on the lab hosts.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import math
@@ -98,10 +99,25 @@ lines = open(os.environ["FAKE_KERNEL_LOG"]).read().splitlines()
 after = [a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--after-cursor=")]
 start = int(after[0].split("line=")[1]) if after else 0
 assert "-k" in sys.argv and "json" in sys.argv, sys.argv
-for n, line in enumerate(lines[start:], start + 1):
+
+
+def show(n, line):
     # a line starting "BYTES " is sent as journald sends a message that is not UTF-8
     message = list(line[6:].encode()) + [0xff] if line.startswith("BYTES ") else line
-    print(json.dumps({"__CURSOR": "s=fake;line=%d" % n, "MESSAGE": message}))
+    print(json.dumps({"__CURSOR": "s=fake;line=%d" % n, "MESSAGE": message}), flush=True)
+
+
+if "-f" in sys.argv:  # -f -n 0: what is appended from now on
+    assert "-n" in sys.argv and "0" in sys.argv, sys.argv
+    import time
+    while True:
+        time.sleep(0.05)
+        now = open(os.environ["FAKE_KERNEL_LOG"]).read().splitlines()
+        for n, line in enumerate(now[len(lines):], len(lines) + 1):
+            show(n, line)
+        lines = now
+for n, line in enumerate(lines[start:], start + 1):
+    show(n, line)
 '''
 
 
@@ -910,6 +926,100 @@ def test_infiniband_ports_of_the_kv_path(host, engine):
     assert proc.returncode == 1 and "no InfiniBand/RoCE device under" in proc.stdout
 
 
+def wait_for(what, predicate, timeout: float, proc=None):
+    """Seconds until predicate() holds; fails naming what did not happen."""
+    started = time.monotonic()
+    while time.monotonic() - started < timeout:
+        with contextlib.suppress(FileNotFoundError, KeyError, AssertionError):
+            if predicate():
+                return time.monotonic() - started
+        time.sleep(0.05)
+    out = ""
+    if proc is not None:
+        proc.terminate()
+        out = proc.communicate(timeout=10)[0]
+    raise AssertionError(f"{what}: not within {timeout}s\n{out}")
+
+
+def check_ok(host: Host, check: str, unit: str = "") -> float:
+    return value(host.metrics(), "gpufleet_health_check_ok", check=check, unit=unit)
+
+
+def test_watcher_sees_xid_fabric_and_hca_faults_within_seconds(host, engine):
+    """--watch: a fatal Xid (followed in the kernel log), the fabric status (polled through
+    nvidia-smi here: no NVML) and an HCA port (sysfs) show in the metrics within seconds;
+    the units' results stay those of the timer's last full run and nothing is restarted."""
+    sysfs = host.root / "infiniband"
+    write_ib_port(sysfs, "mlx5_0")
+    host.nvidia_smi(XML2.read_text())
+    host.nvlink(NVLINK_S.read_text(), nvlink_errors(2, 18))
+    host.journal("")
+    host.write_config(engine, gpu={"vendor": "nvidia", "count": 2, "fabric": True},
+                      ib={"sysfs": str(sysfs)}, watch={"interval_s": 0.5})
+    assert host.run().returncode == 0  # the timer's run: the units' results
+    first = host.textfile.stat().st_mtime_ns
+    engine.close()  # a unit failing now is the timer's business, not the watcher's
+    proc = host.popen("--watch")
+    try:
+        wait_for("the watcher's first run", lambda: host.textfile.stat().st_mtime_ns > first,
+                 10, proc)
+        assert check_ok(host, "generate", UNIT) == 1
+        faults = (
+            ("HCA port down", "ib", lambda: write_ib_port(sysfs, "mlx5_0", state="1: DOWN",
+                                                          phys="3: Disabled")),
+            ("fabric status", "gpu_fabric", lambda: host.nvidia_smi(edit_gpu1(
+                XML2.read_text(), "<status>Success</status>",
+                "<status>Insufficient Resources</status>"))),
+            ("fatal Xid", "gpu_xid", lambda: host.journal(
+                "NVRM: Xid (PCI:0000:00:07): 79, pid=0, GPU has fallen off the bus.\n")),
+        )
+        for name, check, inject in faults:
+            inject()
+            took = wait_for(name, lambda c=check: check_ok(host, c) == 0, 5, proc)
+            print(f"{name}: in the metrics after {took:.2f}s")
+        m = host.metrics()
+        assert value(m, "gpufleet_host_fault", check="gpu_xid") == 1
+        assert value(m, "gpufleet_health_check_ok", check="generate", unit=UNIT) == 1
+        fault = json.loads(host.state.read_text())["host_fault"]  # what fab status shows
+        assert fault["checks"] == ["gpu_fabric", "gpu_xid", "ib"] and fault["since"] > 0
+    finally:
+        proc.terminate()
+        out, err = proc.communicate(timeout=10)
+    assert "watch: every 0.5s: GPUs through nvidia-smi -q -x, HCA ports from sysfs" in out
+    assert "watch: running the host checks (Xid in the kernel log)" in out, out
+    assert re.search(r"watch: running the host checks \(.*ib", out), out
+    assert host.restarts() == []
+
+
+def test_watcher_reads_nvml_when_it_loads(host):
+    """The NVML poll's signature: return codes and values; a GPU lost changes it."""
+    spec = importlib.util.spec_from_file_location("hc", host.script)
+    hc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hc)
+    assert hc.Nvml.open("libnvidia-ml-absent.so.1") is None  # no driver: nvidia-smi instead
+
+    class Lib:
+        lost = False
+
+        def nvmlDeviceGetCount_v2(self, count):
+            count._obj.value = 1
+            return 0
+
+        def nvmlDeviceGetHandleByIndex_v2(self, index, handle):
+            return 15 if self.lost else 0  # NVML_ERROR_GPU_IS_LOST
+
+        def __getattr__(self, name):
+            return lambda *args: 3  # NVML_ERROR_NOT_SUPPORTED
+
+    lib = Lib()
+    nvml = hc.Nvml(lib)
+    before = nvml.signature()
+    assert before[0] == ("count", 0, 1) and before[1][0] == 0
+    assert nvml.signature() == before
+    lib.lost = True
+    assert nvml.signature() != before and nvml.signature()[1] == (0, 15)
+
+
 def test_a_sick_gpu_holds_restarts_until_it_is_fixed(host, engine):
     """An engine failing on a GPU that fell off the bus: restarting it cannot help, so the
     checker counts nothing and says to drain the host; once the fault is cleared, the
@@ -932,10 +1042,15 @@ def test_a_sick_gpu_holds_restarts_until_it_is_fixed(host, engine):
     assert value(m, "gpufleet_host_fault", check="gpu_xid") == 1
     assert value(m, "gpufleet_host_fault", check="gpu_ecc") == 0
     assert value(m, "gpufleet_unit_consecutive_failures", unit=UNIT) == 0
+    fault = json.loads(host.state.read_text())["host_fault"]  # fab status reads it
+    assert fault["checks"] == ["gpu_xid"]
+    assert host.run().returncode == 1  # sick since the first run that saw it
+    assert json.loads(host.state.read_text())["host_fault"] == fault
     # the GPU was reset: the engine's failures are its own again, and restart it
     assert host.run("--clear-xid", "all").returncode == 0
     proc = host.run("--json")
     assert json.loads(proc.stdout)["host_fault"] == []
+    assert "host_fault" not in json.loads(host.state.read_text())
     assert len(host.restarts()) == 1, proc.stderr
 
 

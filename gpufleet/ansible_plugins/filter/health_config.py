@@ -14,6 +14,7 @@ OPTIONS = (
     "router_generate_path", "api_key_file", "cache_min_free_gib",
     "gpu_timeout_s", "xid_fatal", "ecc_aggregate_max", "nvlink_error_delta_max",
     "fabric_external", "ib_sysfs", "ib_min_rate_gbps", "ib_error_delta_max",
+    "watch_interval_s",
 )
 
 
@@ -131,6 +132,7 @@ def health_config(slice_: dict, **options) -> dict:
                               if opt["ib_min_rate_gbps"] not in (None, "") else None),
             "error_delta_max": {k: int(v) for k, v in opt["ib_error_delta_max"].items()},
         } if facts.get("rdma") else None,
+        "watch": {"interval_s": float(opt["watch_interval_s"])},
     }
 
 

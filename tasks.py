@@ -251,20 +251,24 @@ def _uptime(seconds: int) -> str:
 @task(help={"target": PLAN_HELP["target"], "inventory": PLAN_HELP["inventory"],
             "format": "text (default) or json"})
 def status(c, target=None, inventory=DEFAULT_INVENTORY, format="text"):
-    """Every unit of the deployment on every host: state, uptime, restarts, ready."""
+    """Every unit of the deployment on every host: state, uptime, restarts, ready; and each
+    host the health checker found sick (its restarts held)."""
     p = _plan(target, inventory)
     per_host, bad = _status(p, inventory)
     rows = [{"host": h, **u} for h, r in sorted(per_host.items()) for u in r.get("units", [])]
+    sick = {h: r["host_fault"] for h, r in sorted(per_host.items()) if r.get("host_fault")}
     if format == "json":
-        print(json.dumps({"units": rows, "unreachable": bad}, indent=2))
+        print(json.dumps({"units": rows, "sick": sick, "unreachable": bad}, indent=2))
     else:
         cli.print_table([["host", "unit", "role", "state", "uptime", "restarts", "ready"]]
                         + [[r["host"], r["unit"], r["role"], f"{r['active']}/{r['sub']}",
                             _uptime(r["uptime_s"]), str(r["restarts"]),
                             {True: "yes", False: "NO", None: "-"}[r["ready"]]] for r in rows])
+        for h, fault in sick.items():
+            print(cli.sick_text(h, fault))
         for h in bad:
             print(f"{h}: unreachable or failed (see ansible output with -v)")
-    if bad or any(r["active"] != "active" or r["ready"] is False for r in rows):
+    if bad or sick or any(r["active"] != "active" or r["ready"] is False for r in rows):
         raise Exit(code=1)
 
 

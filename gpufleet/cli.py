@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 
 import yaml
 
@@ -142,6 +143,13 @@ def health_text(results: dict, unreachable: list[str], out=sys.stdout) -> None:
                   "fix what the check says", file=out)
     for host in unreachable:
         print(f"{host}: unreachable", file=out)
+
+
+def sick_text(host: str, fault: dict) -> str:
+    """`fab status`'s line for a host whose health checker holds its restarts."""
+    since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(fault.get("since") or 0))
+    return (f"{host}: SICK since {since} ({', '.join(fault.get('checks') or [])}): its "
+            "engines' restarts are held; drain it and fix what `fab health` names")
 
 
 def plan_text(plan: Plan, out=sys.stdout) -> None:

@@ -176,3 +176,11 @@ def test_fab_health_text_shows_the_whole_failure_and_the_sick_host():
     assert "lab1: SICK (gpu_xid): restarts held; drain it" in text
     assert "lab2: SICK" not in text and "lab3: unreachable" in text
     assert max(len(line) for line in text.splitlines() if line.startswith("lab2")) < 100
+
+
+def test_fab_status_names_a_sick_host_with_its_checks_and_since():
+    from gpufleet.cli import sick_text
+
+    line = sick_text("lab1", {"checks": ["gpu_fabric", "gpu_xid"], "since": 1796140000})
+    assert line.startswith("lab1: SICK since 20")
+    assert "(gpu_fabric, gpu_xid): its engines' restarts are held; drain it" in line

@@ -18,6 +18,10 @@ options:
     description: Also return this many journal lines per unit (0 = none).
     type: int
     default: 0
+  health_state:
+    description: The health checker's state file, where its last run records a host fault.
+    type: path
+    default: /var/lib/gpufleet/health-state.json
 """
 
 RETURN = r"""
@@ -27,8 +31,15 @@ units:
     journal (when asked).
   type: list
   returned: always
+host_fault:
+  description: The host checks failing in the health checker's last run that hold the
+    engines' restarts (checks, since, updated), or null when the host is not sick or the
+    checker never ran.
+  type: dict
+  returned: always
 """
 
+import json
 import subprocess
 import time
 import urllib.error
@@ -55,11 +66,23 @@ def ready(url):
         return False
 
 
+def host_fault(path):
+    try:
+        with open(path, encoding="utf-8") as handle:
+            state = json.load(handle)
+    except (OSError, ValueError):
+        return None
+    fault = state.get("host_fault") if isinstance(state, dict) else None
+    return dict(fault, updated=state.get("updated")) if isinstance(fault, dict) else None
+
+
 def main():
     module = AnsibleModule(
         argument_spec={
             "processes": {"type": "list", "elements": "dict", "required": True},
             "journal_lines": {"type": "int", "default": 0},
+            "health_state": {"type": "path",
+                             "default": "/var/lib/gpufleet/health-state.json"},
         },
         supports_check_mode=True,
     )
@@ -85,7 +108,8 @@ def main():
                  "--no-pager", "-o", "short-iso"],
                 capture_output=True, text=True, check=False).stdout
         units.append(entry)
-    module.exit_json(changed=False, units=units)
+    module.exit_json(changed=False, units=units,
+                     host_fault=host_fault(module.params["health_state"]))
 
 
 if __name__ == "__main__":

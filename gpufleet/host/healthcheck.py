@@ -178,6 +178,9 @@ def validate(raw):
         # lifetime uncorrected ECC errors a GPU may have before it is flagged for RMA
         "ecc_aggregate_max": _field(gpu, "ecc_aggregate_max", "gpu", (int,), 10,
                                     lambda v: v >= 0, "an integer >= 0"),
+        # AMD: the hotspot (junction) temperature a GPU may reach before gpu_thermal fails
+        "temperature_max_c": _field(gpu, "temperature_max_c", "gpu", NUM, 100, _positive,
+                                    "a number > 0"),
         # how much an NVLink error counter may rise between two runs (default: any other)
         "nvlink_error_delta_max": dict(DEFAULT_NVLINK_DELTA, **_field(
             gpu, "nvlink_error_delta_max", "gpu", (dict,), {}, _counter_limits,
@@ -626,8 +629,6 @@ def check_nvidia(cfg, state):
         others = [result(c, "", NA, rest or detail, started) for c in GPU_CHECKS[1:]]
         return [first] + others, data
 
-    if vendor == "amd":
-        return only(NA, "AMD GPU health is not checked by this version")
     if shutil.which("nvidia-smi") is None:
         if vendor == "nvidia":
             return only(FAIL, "nvidia-smi not found, but this host's plan uses NVIDIA GPUs. "
@@ -747,6 +748,203 @@ def check_xid(cfg, state, gpus=()):
     seen = ", ".join(f"Xid {c} x{n}" for c, n in sorted(counts.items(), key=lambda i: int(
         i[0]))) or "none"
     return result("gpu_xid", "", OK, f"no fatal Xid this boot ({seen})", started), counts
+
+
+# ------------------------------------------------------------------------------ AMD
+
+# amd-smi's JSON as amd-smi 25.x and 26.x (ROCm 6.4, 7.0) write it (ROCm/amdsmi,
+# amdsmi_cli/amdsmi_commands.py and amdsmi_parser.py): `list` gives each GPU's "gpu",
+# "bdf" and "uuid"; `static` its "asic" {"market_name", "asic_serial"} and "ras"
+# {"ecc_block_state": {"UMC": "ENABLED", ...}} (amdsmi_ras_err_state_t names); `metric
+# -e -k -t` its "ecc" {"total_uncorrectable_count", ...}, "ecc_blocks" {"UMC":
+# {"correctable_count", "uncorrectable_count", "deferred_count"}, ...} and "temperature"
+# {"edge", "hotspot", "mem"}, numbers as {"value": 63, "unit": "C"}, "N/A" where not
+# supported; `xgmi -l` {"link_status": [{"gpu", "bdf", "link_status": ["U", "D", "X"]}]}
+# (Up, Down, Disabled): per XGMI port in 25.x, per peer GPU in 26.x, with "SELF" and
+# "U/U" for two links to one peer. ROCm 6.4 and later wrap the GPUs in {"gpu_data": [...]}.
+AMD_GPU_CHECKS = ("gpu", "gpu_ecc", "gpu_thermal", "gpu_xgmi")
+# amdsmi_ras_err_state_t states that report an error (SING_C: corrected)
+RAS_ERROR_STATES = ("PARITY", "MULT_UC", "POISON")
+
+
+def amd_json(cfg, *args):
+    """(parsed `amd-smi ARGS --json`, None) with the GPUs' list unwrapped, or (None, why)
+    when amd-smi fails. Output that is not JSON raises: the check is an error."""
+    rc, out, err = run(["amd-smi", *args, "--json"], cfg["timeout_s"])
+    if rc != 0:
+        why = first_line(err) or first_line(out) or f"exited {rc}"
+        return None, "amd-smi {}: {}".format(" ".join(args), why)
+    data = json.loads(out)
+    if isinstance(data, dict) and "gpu_data" in data:
+        data = data["gpu_data"]
+    return data, None
+
+
+def amd_value(item):
+    """A number amd-smi gives bare or as {"value": 63, "unit": "C"}; None for "N/A"."""
+    if isinstance(item, dict):
+        item = item.get("value")
+    return item if isinstance(item, (int, float)) and not isinstance(item, bool) else None
+
+
+def amd_obj(item):
+    return item if isinstance(item, dict) else {}
+
+
+def amd_gpus(listed, static, metric):
+    """Per-GPU data from `amd-smi list`, `static` and `metric`, with check_nvidia's fields
+    where AMD has the like (the NVIDIA metrics then apply) and None where it has not."""
+    static = {s.get("gpu"): s for s in static if isinstance(s, dict)}
+    metric = {m.get("gpu"): m for m in metric if isinstance(m, dict)}
+    gpus = []
+    for row in listed:
+        index = row["gpu"]
+        info, values = static.get(index, {}), metric.get(index, {})
+        asic = amd_obj(info.get("asic"))
+        blocks = {block: {kind.replace("_count", ""): amd_value(n) for kind, n in amd_obj(
+            counts).items() if amd_value(n) is not None}
+            for block, counts in amd_obj(values.get("ecc_blocks")).items()}
+        total = amd_value(amd_obj(values.get("ecc")).get("total_uncorrectable_count"))
+        hotspot = amd_value(amd_obj(values.get("temperature")).get("hotspot"))
+        gpus.append({
+            "index": index, "uuid": row.get("uuid") or asic.get("asic_serial"),
+            "bus_id": row.get("bdf"), "name": asic.get("market_name"),
+            "ras_errors": blocks,
+            "ras_state": amd_obj(amd_obj(info.get("ras")).get("ecc_block_state")),
+            "xgmi_links": {},
+            # AMD's counts are since the driver loaded: NVIDIA's volatile ones
+            "ecc_errors": {"volatile": {"uncorrectable": total},
+                           "aggregate": {"uncorrectable": None}},
+            "temperature_c": hotspot, "remapped_rows": {}, "remapped_rows_pending": None,
+            "retirement_pending": None, "remapped_rows_failure": None, "clock_events": {},
+            "pcie": dict.fromkeys(("gen_current", "gen_max", "width_current", "width_max")),
+            "fabric": {"state": None, "status": None}})
+    return gpus
+
+
+def amd_reset(gpu):
+    return f"drain the host and reset the GPU (amd-smi reset --gpureset -g {gpu['index']})"
+
+
+def amd_ecc(gpus, started):
+    """Uncorrectable ECC errors per RAS block (XGMI_WAFL's are gpu_xgmi's) and RAS blocks
+    in an error state."""
+    problems = []
+    for gpu in gpus:
+        for block, counts in sorted(gpu["ras_errors"].items()):
+            if block != "XGMI_WAFL" and counts.get("uncorrectable"):
+                problems.append("{}: {} uncorrectable ECC errors in {} since the driver loaded. "
+                                "Action: {}; replace it if they come back".format(
+                                    gpu_name(gpu), counts["uncorrectable"], block,
+                                    amd_reset(gpu)))
+        total = gpu["ecc_errors"]["volatile"]["uncorrectable"]
+        if not gpu["ras_errors"] and total:
+            problems.append(f"{gpu_name(gpu)}: {total} uncorrectable ECC errors since the "
+                            f"driver loaded. Action: {amd_reset(gpu)}; replace it if they "
+                            "come back")
+        for block, state in sorted(gpu["ras_state"].items()):
+            if state in RAS_ERROR_STATES:
+                problems.append(f"{gpu_name(gpu)}: RAS block {block} reports {state}. "
+                                f"Action: {amd_reset(gpu)}; replace it if it comes back")
+    if not problems and not any(g["ras_errors"] or g["ecc_errors"]["volatile"]["uncorrectable"]
+                                is not None for g in gpus):
+        return result("gpu_ecc", "", NA, "amd-smi reports no ECC counts (no RAS here)", started)
+    return verdict("gpu_ecc", problems, "no uncorrectable ECC errors, no RAS block in an "
+                   "error state", started)
+
+
+def amd_thermal(cfg, gpus, started):
+    limit = cfg["temperature_max_c"]
+    temps = [g["temperature_c"] for g in gpus if g["temperature_c"] is not None]
+    if not temps:
+        return result("gpu_thermal", "", NA, "amd-smi reports no hotspot temperature", started)
+    problems = [f"{gpu_name(g)}: hotspot {g['temperature_c']} C, above {limit} C. Action: "
+                "check the GPU's cooling (fans, air flow, inlet temperature) and the BMC "
+                "event log; it throttles and then shuts down when hotter"
+                for g in gpus if g["temperature_c"] is not None and g["temperature_c"] > limit]
+    return verdict("gpu_thermal", problems, f"hotspot at most {max(temps)} C (limit {limit} C)",
+                   started)
+
+
+def amd_xgmi(cfg, gpus, started):
+    """XGMI links down (`amd-smi xgmi -l`) and uncorrectable XGMI errors: the XGMI_WAFL RAS
+    block's (metric's xgmi_err is N/A from MI300 on)."""
+    data, why = amd_json(cfg, "xgmi", "--link-status")
+    if why:
+        return result("gpu_xgmi", "", FAIL, f"{why}. Action: check the amdgpu driver (dmesg)",
+                      started)
+    rows = data.get("link_status", []) if isinstance(data, dict) else data
+    by_index = {g["index"]: g for g in gpus}
+    problems, up, linked = [], 0, 0
+    for row in rows:
+        states = row.get("link_status")
+        found = [(n, s) for n, item in enumerate(states if isinstance(states, list) else [])
+                 for s in str(item).split("/") if s in ("U", "D", "X")]
+        if not found:
+            continue
+        links = {name: sum(1 for _, s in found if s == code)
+                 for name, code in (("up", "U"), ("down", "D"), ("disabled", "X"))}
+        gpu = by_index.get(row.get("gpu"))
+        if gpu:
+            gpu["xgmi_links"] = links
+        up, linked = up + links["up"], linked + 1
+        down = sorted({n for n, s in found if s == "D"})
+        if down:
+            name = gpu_name(gpu) if gpu else "GPU {} ({})".format(row.get("gpu"), row.get("bdf"))
+            problems.append("{}: XGMI link {} down ({} of {} up). Action: reset the GPU "
+                            "(amd-smi reset --gpureset -g {}) or reboot; if it stays down, the "
+                            "XGMI link or the baseboard needs service".format(
+                                name, ", ".join(map(str, down)), links["up"],
+                                links["up"] + links["down"], row.get("gpu")))
+    for gpu in gpus:
+        errors = gpu["ras_errors"].get("XGMI_WAFL", {}).get("uncorrectable")
+        if errors:
+            problems.append(f"{gpu_name(gpu)}: {errors} uncorrectable XGMI errors (RAS block "
+                            f"XGMI_WAFL) since the driver loaded. Action: {amd_reset(gpu)}; if "
+                            "they come back, the XGMI link or the baseboard needs service")
+    if not linked and not problems:
+        return result("gpu_xgmi", "", NA, "no XGMI links on these GPUs", started)
+    return verdict("gpu_xgmi", problems, f"{up} XGMI links up on {linked} GPUs, no "
+                   "uncorrectable XGMI errors", started)
+
+
+def check_amd(cfg):
+    """The AMD GPU checks from `amd-smi list`, `static`, `metric` and `xgmi` (JSON);
+    returns (results, per-GPU data for the metrics)."""
+    started = time.monotonic()
+    data = {"gpus": []}
+
+    def only(check_status, detail, rest):
+        """The gpu check's result; the others do not apply without its data."""
+        return [result("gpu", "", check_status, detail, started)] + [
+            result(c, "", NA, rest, started) for c in AMD_GPU_CHECKS[1:]], data
+
+    if shutil.which("amd-smi") is None:
+        return only(FAIL, "amd-smi not found, but this host's plan uses AMD GPUs. Action: "
+                    "install ROCm (the rocm role)", "no data: amd-smi not found (see the gpu "
+                    "check)")
+    listed, why = amd_json(cfg, "list")
+    if not why:
+        static, why = amd_json(cfg, "static")
+    if not why:
+        metric, why = amd_json(cfg, "metric", "--ecc", "--ecc-blocks", "--temperature")
+    if why:
+        return only(FAIL, f"{why}. Action: check the amdgpu driver (dmesg), reboot if it does "
+                    "not answer", "no data: amd-smi failed (see the gpu check)")
+    gpus = data["gpus"] = amd_gpus(listed, static, metric)
+    problems = []
+    if cfg["count"] is not None and len(gpus) < cfg["count"]:
+        problems.append("{} GPUs visible, {} expected. Action: a GPU fell off the bus or "
+                        "failed to initialize: reboot the host; reseat or replace it if it "
+                        "stays missing".format(len(gpus), cfg["count"]))
+    results = [verdict("gpu", problems, "{} GPUs: {}".format(len(gpus), ", ".join(
+        "{} {} {}".format(g["index"], g["uuid"], g["bus_id"]) for g in gpus)) if gpus
+        else "0 GPUs", started), amd_ecc(gpus, started), amd_thermal(cfg, gpus, started)]
+    try:
+        xgmi = amd_xgmi(cfg, gpus, time.monotonic())
+    except Exception as exc:  # noqa: BLE001 - its own error; the other checks stand
+        xgmi = crashed("gpu_xgmi", "", exc, started)
+    return results + [xgmi], data
 
 
 def read_text(path):
@@ -892,8 +1090,8 @@ def starting(unit, status):
 # Host checks whose failure no unit restart can fix (a GPU that needs a reset, a link
 # down): while one fails, the units' failures are not counted (no restart loop on a dead
 # GPU). Slowdowns, PCIe width and cache room degrade a host without killing its engines.
-HOST_FAULT_CHECKS = ("gpu", "gpu_ecc", "gpu_remap", "gpu_fabric", "gpu_nvlink", "gpu_xid",
-                     "ib")
+HOST_FAULT_CHECKS = ("gpu", "gpu_ecc", "gpu_remap", "gpu_fabric", "gpu_nvlink", "gpu_xgmi",
+                     "gpu_xid", "ib")
 
 
 def host_faults(results):
@@ -997,7 +1195,7 @@ def render_metrics(families):
 
 
 def gpu_families(gpu, xids, fatal):
-    """The per-GPU metric families: gpu is check_nvidia's data."""
+    """The per-GPU metric families: gpu is check_nvidia's or check_amd's data."""
     gpus = gpu.get("gpus") or []
     families = []
 
@@ -1034,7 +1232,8 @@ def gpu_families(gpu, xids, fatal):
             "1 while the clock event reason holds the GPU's clocks down.",
             lambda g: [({"reason": r}, g["clock_events"].get(r))
                        for r in ("sw_power_cap",) + tuple(CLOCK_FAULTS)])
-    per_gpu("gpufleet_gpu_temperature_celsius", "gauge", "GPU core temperature.",
+    per_gpu("gpufleet_gpu_temperature_celsius", "gauge",
+            "GPU core temperature (AMD: hotspot, the junction's hottest point).",
             lambda g: [({}, g["temperature_c"])])
     per_gpu("gpufleet_gpu_fabric_ok", "gauge",
             "1 when the GPU's NVLink fabric is Completed/Success (NVSwitch systems only).",
@@ -1049,6 +1248,12 @@ def gpu_families(gpu, xids, fatal):
             "NVLink error counters summed over the GPU's links, since the driver loaded.",
             lambda g: [({"counter": c}, v) for c, v in sorted(
                 errors.get(g["index"], {}).items())])
+    per_gpu("gpufleet_gpu_ras_errors", "gauge",
+            "RAS error counts per GPU block since the driver loaded (AMD).",
+            lambda g: [({"block": b, "kind": k}, v) for b, counts in sorted(
+                g.get("ras_errors", {}).items()) for k, v in sorted(counts.items())])
+    per_gpu("gpufleet_gpu_xgmi_links", "gauge", "XGMI links by state (AMD).",
+            lambda g: [({"state": st}, n) for st, n in sorted(g.get("xgmi_links", {}).items())])
     if xids is not None:
         families.append(("gpufleet_gpu_xid_events_total", "counter",
                          "Xid events read from the kernel log this boot.",
@@ -1158,8 +1363,11 @@ def host_jobs(cfg, state, out):
     def gpus():
         return ((out.get("nvidia") or ([], {}))[1] or {}).get("gpus", [])
 
-    jobs = [("nvidia", GPU_CHECKS, lambda: check_nvidia(cfg["gpu"], state["gpu"])),
-            ("gpu_xid", ("gpu_xid",), lambda: check_xid(cfg["gpu"], state["gpu"], gpus()))]
+    if cfg["gpu"]["vendor"] == "amd":
+        jobs = [("amd", AMD_GPU_CHECKS, lambda: check_amd(cfg["gpu"]))]
+    else:
+        jobs = [("nvidia", GPU_CHECKS, lambda: check_nvidia(cfg["gpu"], state["gpu"]))]
+    jobs.append(("gpu_xid", ("gpu_xid",), lambda: check_xid(cfg["gpu"], state["gpu"], gpus())))
     if cfg["ib"]:
         jobs.append(("ib", ("ib",), lambda: check_ib(cfg["ib"], state["ib"])))
     if cfg["cache"]:
@@ -1387,7 +1595,7 @@ def main(argv=None):
         thread.start()
     host_thread.start()
     budget = max([u["health_timeout_s"] + u["generate_timeout_s"] for u in cfg["units"]] +
-                 [3 * cfg["gpu"]["timeout_s"] + 20]) + 10
+                 [4 * cfg["gpu"]["timeout_s"] + 20]) + 10  # amd-smi: 4 commands
     deadline = started + budget
 
     def no_result(check, unit, thread):
@@ -1411,7 +1619,8 @@ def main(argv=None):
             results.extend(found)
         else:
             results.extend(no_result(c, "", host_thread) for c in checks)
-    gpu, xids, free = extras.get("nvidia") or {}, extras.get("gpu_xid"), extras.get("cache")
+    gpu = extras.get("nvidia") or extras.get("amd") or {}
+    xids, free = extras.get("gpu_xid"), extras.get("cache")
     ib = extras.get("ib") or []
     if args.host_only:  # the units as the last full run found them
         logged = list(results)

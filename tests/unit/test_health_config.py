@@ -59,7 +59,7 @@ ONE_NODE = {
     "cache": {"path": "/var/cache/gpufleet/hf", "min_free_gib": 10.0},
     "gpu": {"vendor": "nvidia", "count": 8, "timeout_s": 30,
             "xid_fatal": [48, 61, 62, 64, 74, 79, 95, 119, 120, 140, 154],
-            "ecc_aggregate_max": 10,
+            "ecc_aggregate_max": 10, "temperature_max_c": 100.0,
             "nvlink_error_delta_max": {"recovery": 0, "replay": 100, "crc": 100, "default": 100},
             "fabric": False},
     "ib": None,

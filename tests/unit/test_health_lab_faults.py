@@ -1,5 +1,5 @@
 """The health checker against the lab's simulated hardware, with the faults a running host
-develops: the checker runs as installed (stdlib only), the simulated nvidia-smi and the
+develops: the checker runs as installed (stdlib only), the simulated nvidia-smi, amd-smi and the
 HCAs' sysfs files answer as a faulty host's would (lab/gpufleet_lab/hwsim_data/hwlab.py,
 GPU_FAULTS). Each fault must fail exactly its check, naming the component and the action.
 """
@@ -46,6 +46,28 @@ GPU_FAULTS = {
 }
 
 
+# AMD (the lab's 8x MI355X, amd-smi 26.x): fault -> (faults file, check, detail)
+AMD_FAULTS = {
+    "AMD uncorrectable ECC": (
+        {"amd_ecc_blocks": {"1": {"UMC": {"uncorrectable_count": 3}}}}, "gpu_ecc",
+        r"GPU 1 \([0-9a-f-]+, 0000:15:00\.0\): 3 uncorrectable ECC errors in UMC since the "
+        r"driver loaded\. Action: drain the host and reset the GPU \(amd-smi reset --gpureset "
+        r"-g 1\); replace it"),
+    "AMD RAS error": ({"amd_ras_state": {"0": {"GFX": "MULT_UC"}}}, "gpu_ecc",
+                      r"GPU 0 \([0-9a-f-]+, 0000:05:00\.0\): RAS block GFX reports MULT_UC\. "
+                      r"Action: drain the host and reset the GPU"),
+    "AMD hotspot": ({"amd_temperature": {"2": {"hotspot": 107}}}, "gpu_thermal",
+                    r"GPU 2 \([0-9a-f-]+, 0000:65:00\.0\): hotspot 107 C, above 100 C\. "
+                    r"Action: check the GPU's cooling"),
+    "AMD XGMI link down": ({"amd_xgmi_down": {"3": [5]}}, "gpu_xgmi",
+                           r"GPU 3 \([0-9a-f-]+, 0000:75:00\.0\): XGMI link 5 down \(6 of 7 "
+                           r"up\)\. Action: reset the GPU \(amd-smi reset --gpureset -g 3\)"),
+    "AMD XGMI errors": ({"amd_ecc_blocks": {"4": {"XGMI_WAFL": {"uncorrectable_count": 1}}}},
+                        "gpu_xgmi", r"GPU 4 \([0-9a-f-]+, 0000:85:00\.0\): 1 uncorrectable "
+                        r"XGMI errors \(RAS block XGMI_WAFL\).*Action: drain the host"),
+}
+
+
 class LabHost:
     """A lab host's simulated hardware rendered under tmp (GPUFLEET_LAB_ROOT), with the
     checker installed as the health role installs it."""
@@ -64,7 +86,7 @@ class LabHost:
         self.checker = lib / "healthcheck.py"
         self.bin = root / "bin"
         self.bin.mkdir()
-        for tool in ("nvidia-smi",):  # the simulated tool first on PATH
+        for tool in ("nvidia-smi", "amd-smi"):  # the simulated tools first on PATH
             rendered = root / "usr/bin" / tool
             if rendered.exists():
                 (self.bin / tool).write_text(f"#!/bin/sh\nexec {sys.executable} {rendered} "
@@ -159,3 +181,44 @@ def test_hca_ports_down_slow_or_flapping(hgx):
     assert "HCA mlx5_3 port 1: DOWN (physical Disabled). Action: check the cable" in detail
     assert "HCA mlx5_5 port 1: 100 Gb/s, expected 400" in detail
     assert "HCA mlx5_6 port 1: link_error_recovery rose by 1" in detail
+
+
+@pytest.fixture
+def mi355(tmp_path):
+    """The lab's 8x MI355X (XGMI between all eight)."""
+    host = LabHost(tmp_path, "mi355x8")
+    host.configure(gpu={"vendor": "amd", "count": 8})
+    return host
+
+
+def test_the_healthy_simulated_amd_host_passes_every_gpu_check(mi355):
+    code, checks = mi355.check()
+    gpu_checks = {c: checks[c]["status"] for c in checks if c.startswith("gpu") and c != "gpu_xid"}
+    assert gpu_checks == dict.fromkeys(["gpu", "gpu_ecc", "gpu_thermal", "gpu_xgmi"], "ok"), checks
+    assert "56 XGMI links up on 8 GPUs" in checks["gpu_xgmi"]["detail"]
+    assert re.match(r"8 GPUs: 0 [0-9a-f-]+ 0000:05:00\.0, 1 ", checks["gpu"]["detail"])
+    prom = (mi355.root / "gpufleet.prom").read_text()
+    assert 'gpufleet_gpu_xgmi_links{gpu="0",state="up",uuid="' in prom
+    assert re.search(r'gpufleet_gpu_temperature_celsius\{gpu="2",uuid="[^"]+"\} 43', prom)
+
+
+@pytest.mark.parametrize("fault", sorted(AMD_FAULTS))
+def test_each_amd_fault_fails_its_check_naming_gpu_and_action(mi355, fault):
+    faults, check, detail = AMD_FAULTS[fault]
+    mi355.inject(faults)
+    code, checks = mi355.check()
+    assert code == 1
+    failed = sorted(c for c, r in checks.items() if r["status"] == "fail" and c != "gpu_xid")
+    assert failed == [check], checks
+    assert re.search(detail, checks[check]["detail"]), checks[check]["detail"]
+    mi355.inject({})  # AMD's counts are since the driver loaded: a reset clears them
+    assert mi355.check()[1][check]["status"] == "ok"
+
+
+def test_a_dead_amdgpu_driver_fails_the_gpu_check(mi355):
+    (mi355.root / "etc/gpufleet-lab/modules").write_text("")  # amdgpu unloaded
+    code, checks = mi355.check()
+    assert code == 1 and checks["gpu"]["status"] == "fail", checks["gpu"]
+    assert "amd-smi list: AMDSMI_STATUS_DRIVER_NOT_LOADED" in checks["gpu"]["detail"]
+    assert "Action: check the amdgpu driver" in checks["gpu"]["detail"]
+    assert {checks[c]["status"] for c in ("gpu_ecc", "gpu_thermal", "gpu_xgmi")} == {"na"}

@@ -75,6 +75,19 @@ if path is None:
 if os.path.exists(path):
     sys.stdout.write(open(path).read())
 '''
+# amd-smi CMD ... --json: FAKE_AMD_SMI/CMD.json (a missing file: the driver does not
+# answer); every call's argv is logged to FAKE_AMD_SMI/argv
+FAKE_AMD_SMI = r'''
+import os, sys
+d = os.environ["FAKE_AMD_SMI"]
+with open(os.path.join(d, "argv"), "a") as f:
+    f.write(" ".join(sys.argv[1:]) + "\n")
+path = os.path.join(d, sys.argv[1] + ".json")
+if sys.argv[-1] != "--json" or not os.path.exists(path):
+    sys.stderr.write("AMDSMI_STATUS_DRIVER_NOT_LOADED - Driver not loaded\n")
+    sys.exit(1)
+sys.stdout.write(open(path).read())
+'''
 # The installed checker with one of its functions replaced by one that raises, as a
 # bug or an unexpected environment would (a TypeError took the host checks down once).
 RAISING = r'''
@@ -246,6 +259,18 @@ class Host:
         (self.root / "nvidia-smi.xml").write_text(xml)
         self.env["FAKE_NVIDIA_SMI_XML"] = str(self.root / "nvidia-smi.xml")
         write_tool(self.bin, "nvidia-smi", FAKE_NVIDIA_SMI)
+
+    def amd_smi(self, docs: dict) -> None:
+        """The fake amd-smi answers each command with docs[command] (JSON, or text)."""
+        tool = self.root / "amd-smi"
+        tool.mkdir(exist_ok=True)
+        for old in tool.glob("*.json"):
+            old.unlink()
+        for command, doc in docs.items():
+            text = doc if isinstance(doc, str) else json.dumps(doc)
+            (tool / f"{command}.json").write_text(text)
+        self.env["FAKE_AMD_SMI"] = str(tool)
+        write_tool(self.bin, "amd-smi", FAKE_AMD_SMI)
 
     def journal(self, text: str) -> None:
         """Kernel log lines appended since the last run (the journal grows)."""
@@ -831,6 +856,200 @@ def test_gpu_tools_missing_or_broken(host, engine):
     assert proc.returncode == 1 and "1 GPUs visible, 8 expected" in proc.stdout
 
 
+AMD_CHECKS = ["gpu", "gpu_ecc", "gpu_thermal", "gpu_xgmi"]
+
+
+def amd_docs(gpus: int = 2) -> dict:
+    """Two MI300X as amd-smi 25.x (ROCm 6.4) answers list, static, metric -e -k -t and
+    xgmi -l: XGMI link status per port, the eighth port disabled."""
+    zero = {"correctable_count": 0, "uncorrectable_count": 0, "deferred_count": 0}
+    bdf = [f"0000:{0x0c + 0x10 * i:02x}:00.0" for i in range(gpus)]
+    return {
+        "list": [{"gpu": i, "bdf": bdf[i], "uuid": f"{i}cff74a1-0000-1000-80ee-e2c0b0c0d0e{i}",
+                  "kfd_id": 1000 + i, "node_id": i + 1, "partition_id": 0}
+                 for i in range(gpus)],
+        "static": {"gpu_data": [
+            {"gpu": i, "asic": {"market_name": "AMD Instinct MI300X", "vendor_id": "0x1002",
+                                "asic_serial": f"0x5A4B3C2D1E0F00{i:02X}"},
+             "bus": {"bdf": bdf[i], "max_pcie_width": 16},
+             "ras": {"eeprom_version": "0x30000", "parity_schema": "DISABLED",
+                     "single_bit_schema": "DISABLED", "double_bit_schema": "DISABLED",
+                     "poison_schema": "ENABLED",
+                     "ecc_block_state": {"UMC": "ENABLED", "GFX": "ENABLED",
+                                         "XGMI_WAFL": "ENABLED"}}}
+            for i in range(gpus)]},
+        "metric": {"gpu_data": [
+            {"gpu": i, "temperature": {"edge": "N/A", "hotspot": {"value": 52 + i, "unit": "C"},
+                                       "mem": {"value": 40, "unit": "C"}},
+             "ecc": {"total_correctable_count": 0, "total_uncorrectable_count": 0,
+                     "total_deferred_count": 0, "cache_correctable_count": 0,
+                     "cache_uncorrectable_count": 0},
+             "ecc_blocks": {"UMC": dict(zero), "GFX": dict(zero), "XGMI_WAFL": dict(zero)}}
+            for i in range(gpus)]},
+        "xgmi": {"link_status": [{"gpu": i, "bdf": bdf[i], "link_status": ["U"] * 7 + ["X"]}
+                                 for i in range(gpus)]},
+    }
+
+
+def amd_run(host: Host, docs: dict, **gpu) -> tuple[subprocess.CompletedProcess, dict]:
+    host.amd_smi(docs)
+    host.write_config(None, units=[], gpu={"vendor": "amd", "count": 2, **gpu})
+    proc = host.run("--json")
+    assert proc.returncode in (0, 1), proc.stdout + proc.stderr
+    return proc, {c["check"]: c for c in json.loads(proc.stdout)["checks"]}
+
+
+def test_amd_gpus_healthy_and_their_metrics(host):
+    proc, checks = amd_run(host, amd_docs())
+    assert proc.returncode == 0, checks
+    assert {c: checks[c]["status"] for c in AMD_CHECKS} == dict.fromkeys(AMD_CHECKS, "ok")
+    assert "nvidia" not in proc.stderr.lower()
+    assert checks["gpu"]["detail"] == ("2 GPUs: 0 0cff74a1-0000-1000-80ee-e2c0b0c0d0e0 "
+                                       "0000:0c:00.0, 1 1cff74a1-0000-1000-80ee-e2c0b0c0d0e1 "
+                                       "0000:1c:00.0")
+    assert checks["gpu_thermal"]["detail"] == "hotspot at most 53 C (limit 100 C)"
+    assert checks["gpu_xgmi"]["detail"].startswith("14 XGMI links up on 2 GPUs")
+    argv = (host.root / "amd-smi" / "argv").read_text().splitlines()
+    assert argv == ["list --json", "static --json",
+                    "metric --ecc --ecc-blocks --temperature --json", "xgmi --link-status --json"]
+    m = host.metrics()
+    uuid = "1cff74a1-0000-1000-80ee-e2c0b0c0d0e1"
+    assert value(m, "gpufleet_gpu_info", gpu="1", uuid=uuid, pci="0000:1c:00.0",
+                 name="AMD Instinct MI300X") == 1
+    assert value(m, "gpufleet_gpu_temperature_celsius", gpu="1", uuid=uuid) == 53
+    assert value(m, "gpufleet_gpu_ecc_uncorrected_errors", gpu="1", uuid=uuid,
+                 counter="volatile") == 0
+    assert value(m, "gpufleet_gpu_ras_errors", gpu="1", uuid=uuid, block="UMC",
+                 kind="deferred") == 0
+    assert value(m, "gpufleet_gpu_xgmi_links", gpu="1", uuid=uuid, state="up") == 7
+    assert value(m, "gpufleet_gpu_xgmi_links", gpu="1", uuid=uuid, state="disabled") == 1
+    assert value(m, "gpufleet_host_fault", check="gpu_xgmi") == 0
+    # what AMD has nothing alike for is absent, not 0
+    assert not any(k[0] in ("gpufleet_gpu_remap_pending", "gpufleet_gpu_pcie_link_width",
+                            "gpufleet_gpu_fabric_ok") for k in m)
+
+
+def test_amd_faults_name_the_gpu_and_the_action(host):
+    docs = amd_docs()
+    gpu1 = docs["metric"]["gpu_data"][1]
+    gpu1["ecc_blocks"]["UMC"]["uncorrectable_count"] = 2
+    gpu1["ecc_blocks"]["XGMI_WAFL"]["uncorrectable_count"] = 1
+    gpu1["temperature"]["hotspot"]["value"] = 96
+    docs["static"]["gpu_data"][0]["ras"]["ecc_block_state"]["GFX"] = "POISON"
+    docs["xgmi"]["link_status"][0]["link_status"][2:4] = ["D", "D"]
+    proc, checks = amd_run(host, docs, temperature_max_c=95)
+    assert proc.returncode == 1
+    name0 = "GPU 0 (0cff74a1-0000-1000-80ee-e2c0b0c0d0e0, 0000:0c:00.0)"
+    name1 = "GPU 1 (1cff74a1-0000-1000-80ee-e2c0b0c0d0e1, 0000:1c:00.0)"
+    assert checks["gpu_ecc"]["detail"] == (
+        f"{name0}: RAS block GFX reports POISON. Action: drain the host and reset the GPU "
+        "(amd-smi reset --gpureset -g 0); replace it if it comes back; "
+        f"{name1}: 2 uncorrectable ECC errors in UMC since the driver loaded. Action: drain "
+        "the host and reset the GPU (amd-smi reset --gpureset -g 1); replace it if they come "
+        "back")
+    assert checks["gpu_thermal"]["detail"].startswith(
+        f"{name1}: hotspot 96 C, above 95 C. Action: check the GPU's cooling")
+    xgmi = checks["gpu_xgmi"]["detail"]
+    assert xgmi.startswith(f"{name0}: XGMI link 2, 3 down (5 of 7 up). Action: reset the GPU "
+                           "(amd-smi reset --gpureset -g 0) or reboot")
+    assert f"{name1}: 1 uncorrectable XGMI errors (RAS block XGMI_WAFL)" in xgmi
+    for check in ("gpu_ecc", "gpu_thermal", "gpu_xgmi"):
+        assert checks[check]["status"] == "fail"
+        assert all("Action: " in part for part in checks[check]["detail"].split("; G"))
+    assert checks["gpu"]["status"] == "ok"
+    report = json.loads(proc.stdout)
+    assert report["host_fault"] == ["gpu_ecc", "gpu_xgmi"]  # thermal: no drain, like clocks
+    m = host.metrics()
+    assert value(m, "gpufleet_gpu_xgmi_links", gpu="0",
+                 uuid="0cff74a1-0000-1000-80ee-e2c0b0c0d0e0", state="down") == 2
+    assert value(m, "gpufleet_gpu_ecc_uncorrected_errors", gpu="1",
+                 uuid="1cff74a1-0000-1000-80ee-e2c0b0c0d0e1", counter="volatile") == 0
+
+
+def test_amd_older_shapes_and_what_is_not_reported(host):
+    """ROCm 6.x before 6.4: bare lists; ecc_blocks and temperatures N/A (a VM guest); no
+    XGMI (PCIe-only GPUs): totals still count, the rest does not apply."""
+    docs = amd_docs()
+    docs["static"] = docs["static"]["gpu_data"]
+    docs["metric"] = docs["metric"]["gpu_data"]
+    for entry in docs["metric"]:
+        entry["ecc_blocks"] = "N/A"
+        entry["temperature"] = {"edge": "N/A", "hotspot": "N/A", "mem": "N/A"}
+    docs["metric"][1]["ecc"]["total_uncorrectable_count"] = 4
+    docs["xgmi"] = {"link_status": [{"gpu": i, "bdf": "x", "link_status": "N/A"}
+                                    for i in range(2)]}
+    proc, checks = amd_run(host, docs)
+    assert checks["gpu_ecc"]["status"] == "fail"
+    assert checks["gpu_ecc"]["detail"].startswith(
+        "GPU 1 (1cff74a1-0000-1000-80ee-e2c0b0c0d0e1, 0000:1c:00.0): 4 uncorrectable ECC "
+        "errors since the driver loaded. Action: drain the host and reset the GPU")
+    assert checks["gpu_thermal"]["status"] == "na"
+    assert checks["gpu_xgmi"] == dict(checks["gpu_xgmi"], status="na",
+                                      detail="no XGMI links on these GPUs")
+    docs["metric"][1]["ecc"]["total_uncorrectable_count"] = "N/A"
+    docs["metric"][0]["ecc"]["total_uncorrectable_count"] = "N/A"
+    proc, checks = amd_run(host, docs)
+    assert checks["gpu_ecc"]["status"] == "na" and proc.returncode == 0
+
+
+def test_amd_tools_missing_broken_or_fewer_gpus(host):
+    host.write_config(None, units=[], gpu={"vendor": "amd"})
+    proc = host.run()
+    assert proc.returncode == 1
+    assert re.search(r"^FAIL gpu +- \S+ amd-smi not found, but this host's plan uses AMD GPUs\. "
+                     r"Action: install ROCm", proc.stdout, re.M), proc.stdout
+    assert re.search(r"^NA +gpu_xgmi +- \S+ no data: amd-smi not found", proc.stdout, re.M)
+    docs = amd_docs()
+    del docs["metric"]  # the driver stops answering between two commands
+    proc, checks = amd_run(host, docs)
+    assert checks["gpu"]["status"] == "fail"
+    assert checks["gpu"]["detail"] == (
+        "amd-smi metric --ecc --ecc-blocks --temperature: AMDSMI_STATUS_DRIVER_NOT_LOADED - "
+        "Driver not loaded. Action: check the amdgpu driver (dmesg), reboot if it does not "
+        "answer")
+    docs = amd_docs(gpus=1)
+    proc, checks = amd_run(host, docs)
+    assert checks["gpu"]["status"] == "fail"
+    assert checks["gpu"]["detail"].startswith("1 GPUs visible, 2 expected. Action: a GPU fell "
+                                              "off the bus")
+    docs = amd_docs()
+    del docs["xgmi"]
+    proc, checks = amd_run(host, docs)
+    assert [c for c in AMD_CHECKS if checks[c]["status"] != "ok"] == ["gpu_xgmi"]
+    assert checks["gpu_xgmi"]["detail"].startswith("amd-smi xgmi --link-status: AMDSMI_STATUS")
+
+
+@pytest.mark.parametrize("name,errors", [
+    ("check_amd", AMD_CHECKS),
+    ("amd_xgmi", ["gpu_xgmi"]),
+    ("amd_gpus", AMD_CHECKS),
+])
+def test_an_amd_check_that_raises_is_an_error_never_a_pass(host, name, errors):
+    host.amd_smi(amd_docs())
+    host.write_config(None, units=[], gpu={"vendor": "amd", "count": 2})
+    assert host.run().returncode == 0
+    proc = host.run_raising(name, "--json")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    checks = {c["check"]: c for c in json.loads(proc.stdout)["checks"]}
+    for check in AMD_CHECKS:
+        assert checks[check]["status"] == ("error" if check in errors else "ok"), checks[check]
+    assert f"check raised TypeError: injected fault in {name}" in checks[errors[0]]["detail"]
+    assert value(host.metrics(), "gpufleet_health_check_ok", check=errors[0], unit="") == 0
+
+
+def test_amd_smi_output_that_is_not_json_is_an_error(host):
+    docs = amd_docs()
+    docs["metric"] = "WARNING: AMD SMI is in a degraded state\n{"
+    proc, checks = amd_run(host, docs)
+    assert proc.returncode == 1
+    assert {checks[c]["status"] for c in AMD_CHECKS} == {"error"}
+    assert "check raised JSONDecodeError" in checks["gpu_ecc"]["detail"]
+    docs = amd_docs()
+    docs["xgmi"] = "not json"
+    proc, checks = amd_run(host, docs)
+    assert [c for c in AMD_CHECKS if checks[c]["status"] == "error"] == ["gpu_xgmi"]
+
+
 def test_fatal_xid_is_read_once_and_stays_red_until_reset_or_reboot(host, engine):
     boot = host.root / "boot_id"
     boot.write_text("boot-1\n")
@@ -1074,6 +1293,7 @@ def test_cache_filesystem_full(host, engine):
     (lambda c: c["restart"].update(enabled="yes"), "restart.enabled"),
     (lambda c: c["cache"].pop("path"), "cache.path: required"),
     (lambda c: c["gpu"].update(vendor="intel"), "gpu.vendor"),
+    (lambda c: c["gpu"].update(temperature_max_c=0), "gpu.temperature_max_c"),
     (lambda c: c.update(version=2), "version"),
     (lambda c: c.update(textfile="metrics.prom"), "textfile"),
 ])

@@ -3,6 +3,7 @@ same parser the roles use, so the simulator and the parser cannot drift apart.""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -462,6 +463,26 @@ def test_mi355x8_rocm_smi_agrees_with_amd_smi(host):
     facts = gf.gpu_facts(rocm_smi=out)
     assert (facts["count"], facts["gfx_target"], facts["memory_mib"]) == (8, "gfx950", 294896)
     assert not h.has("nvidia-smi")
+
+
+def test_mi355x8_amd_smi_health_commands_answer_in_the_real_json_shape(host):
+    """metric -e -k -t and xgmi -l as amd-smi 26.x writes them (the health checker reads
+    them): {"gpu_data": [...]} of ecc, ecc_blocks and temperature; {"link_status": [...]}."""
+    h = host("mi355x8")
+    metric = json.loads(h.out("amd-smi", "metric", "-e", "-k", "-t", "--json"))["gpu_data"]
+    assert [m["gpu"] for m in metric] == list(range(8))
+    assert set(metric[0]) == {"gpu", "temperature", "ecc", "ecc_blocks"}
+    assert metric[0]["temperature"]["hotspot"] == {"value": 41, "unit": "C"}
+    assert metric[0]["ecc"]["total_uncorrectable_count"] == 0
+    assert metric[0]["ecc_blocks"]["UMC"] == {
+        "correctable_count": 0, "uncorrectable_count": 0, "deferred_count": 0}
+    only_temp = json.loads(h.out("amd-smi", "metric", "--temperature", "--json"))["gpu_data"]
+    assert set(only_temp[0]) == {"gpu", "temperature"}
+    xgmi = json.loads(h.out("amd-smi", "xgmi", "--link-status", "--json"))["link_status"]
+    assert xgmi[1] == {"gpu": 1, "bdf": "0000:15:00.0",
+                       "link_status": ["U", "SELF", "U", "U", "U", "U", "U", "U"]}
+    static = json.loads(h.out("amd-smi", "static", "--json"))["gpu_data"]
+    assert static[0]["ras"]["ecc_block_state"]["UMC"] == "ENABLED"
 
 
 def test_nvidia_ctk_generates_a_cdi_spec_of_the_gpus_and_lists_its_devices(host):

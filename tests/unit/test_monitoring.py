@@ -49,6 +49,8 @@ METRICS = {
     "gpufleet_gpu_fabric_ok",
     "gpufleet_gpu_nvlink_links",
     "gpufleet_gpu_nvlink_errors",
+    "gpufleet_gpu_ras_errors",
+    "gpufleet_gpu_xgmi_links",
     "gpufleet_gpu_xid_events_total",
     "gpufleet_gpu_xid_fatal",
     "gpufleet_ib_port_up",

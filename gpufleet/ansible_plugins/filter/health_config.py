@@ -13,6 +13,7 @@ OPTIONS = (
     "http_timeout_s", "generate_timeout_s", "startup_grace_s",
     "router_generate_path", "api_key_file", "cache_min_free_gib",
     "gpu_timeout_s", "xid_fatal", "ecc_aggregate_max", "nvlink_error_delta_max",
+    "gpu_temperature_max_c",
     "fabric_external", "ib_sysfs", "ib_min_rate_gbps", "ib_error_delta_max",
     "watch_interval_s",
 )
@@ -120,6 +121,7 @@ def health_config(slice_: dict, **options) -> dict:
             "timeout_s": int(opt["gpu_timeout_s"]),
             "xid_fatal": [int(x) for x in opt["xid_fatal"]],
             "ecc_aggregate_max": int(opt["ecc_aggregate_max"]),
+            "temperature_max_c": float(opt["gpu_temperature_max_c"]),
             "nvlink_error_delta_max": {k: int(v) for k, v in
                                        opt["nvlink_error_delta_max"].items()},
             "fabric": fabric_external,

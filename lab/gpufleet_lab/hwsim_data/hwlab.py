@@ -108,6 +108,10 @@ def log(name, text):
 # block: volatile ECC before aggregate, the fabric's <status>), NVLink links down and error
 # counters. {"xml": {"1": {"remapped_row_pending": "Yes"}}, "nvlink_inactive": {"0": [17]},
 #  "nvlink_errors": {"1": {"Recovery Errors": 1}}}
+# AMD (amd-smi): error counts per RAS block, a block's RAS state, temperatures, XGMI links
+# down (by peer GPU): {"amd_ecc_blocks": {"1": {"UMC": {"uncorrectable_count": 3}}},
+#  "amd_ras_state": {"0": {"GFX": "MULT_UC"}}, "amd_temperature": {"0": {"hotspot": 107}},
+#  "amd_xgmi_down": {"1": [3]}}
 GPU_FAULTS = "/var/lib/gpufleet-lab/gpu-faults.json"
 
 
@@ -660,6 +664,14 @@ def nvidia_imex_ctl(hw, args):
 # --------------------------------------------------------------------------- AMD
 
 
+# the RAS blocks amd-smi counts ECC errors of (amdsmi_commands.py: sysfs_blocks)
+AMD_RAS_BLOCKS = ("UMC", "SDMA", "GFX", "MMHUB", "PCIE_BIF", "HDP", "XGMI_WAFL")
+
+
+def amd_fault(name, g):
+    return gpu_faults().get(name, {}).get(str(g["index"]), {})
+
+
 def amd_static(hw):
     spec, rocm = hw["gpu"], hw["rocm"]
     return [
@@ -692,7 +704,77 @@ def amd_static(hw):
                 "size": {"value": spec["memory_mib"], "unit": "MB"},
                 "bit_width": 8192,
             },
+            "ras": {
+                "eeprom_version": "0x30000",
+                "parity_schema": "DISABLED",
+                "single_bit_schema": "DISABLED",
+                "double_bit_schema": "DISABLED",
+                "poison_schema": "ENABLED",
+                "ecc_block_state": {
+                    **dict.fromkeys(AMD_RAS_BLOCKS, "ENABLED"),
+                    **amd_fault("amd_ras_state", g),
+                },
+            },
             "numa": {"node": g["numa"], "affinity": g["numa"]},
+        }
+        for g in hw["gpus"]
+    ]
+
+
+def amd_metric(hw, args):
+    """`amd-smi metric` with -t, -e, -k (all three without one): a healthy MI3xx idles at
+    hotspot 40s C, edge N/A (MI300 on), no ECC errors; the faults file changes them."""
+    wanted = {
+        name
+        for short, long, name in (("-t", "--temperature", "temperature"), ("-e", "--ecc", "ecc"),
+                                  ("-k", "--ecc-blocks", "ecc_blocks"))
+        if short in args or long in args
+    } or {"temperature", "ecc", "ecc_blocks"}
+    out = []
+    for g in hw["gpus"]:
+        temps = {"edge": "N/A", "hotspot": 41 + g["index"], "mem": 35 + g["index"]}
+        temps.update(amd_fault("amd_temperature", g))
+        blocks = {}
+        for block in AMD_RAS_BLOCKS:
+            counts = {"correctable_count": 0, "uncorrectable_count": 0, "deferred_count": 0}
+            counts.update(amd_fault("amd_ecc_blocks", g).get(block, {}))
+            blocks[block] = counts
+        total = {
+            kind: sum(b[kind + "_count"] for b in blocks.values())
+            for kind in ("correctable", "uncorrectable", "deferred")
+        }
+        entry = {"gpu": g["index"]}
+        if "temperature" in wanted:
+            entry["temperature"] = {
+                k: v if v == "N/A" else {"value": v, "unit": "C"} for k, v in temps.items()
+            }
+        if "ecc" in wanted:
+            entry["ecc"] = {
+                "total_correctable_count": total["correctable"],
+                "total_uncorrectable_count": total["uncorrectable"],
+                "total_deferred_count": total["deferred"],
+                "cache_correctable_count": total["correctable"]
+                - blocks["UMC"]["correctable_count"],
+                "cache_uncorrectable_count": total["uncorrectable"]
+                - blocks["UMC"]["uncorrectable_count"],
+            }
+        if "ecc_blocks" in wanted:
+            entry["ecc_blocks"] = blocks
+        out.append(entry)
+    return out
+
+
+def amd_xgmi_status(hw):
+    """`amd-smi xgmi --link-status` as amd-smi 26.x gives it: per peer GPU, SELF for
+    itself, U (up) or D (down: a fault)."""
+    return [
+        {
+            "gpu": g["index"],
+            "bdf": g["bus_id"],
+            "link_status": [
+                "SELF" if p is g else ("D" if p["index"] in amd_fault("amd_xgmi_down", g) else "U")
+                for p in hw["gpus"]
+            ],
         }
         for g in hw["gpus"]
     ]
@@ -749,6 +831,13 @@ def amd_smi(hw, args):
                 entry = dict(entry)
                 sys.stdout.write(f"GPU: {entry.pop('gpu')}\n")
                 sys.stdout.write("\n".join(yamlish(entry, 1)) + "\n\n")
+    elif cmd == "metric" and as_json:
+        sys.stdout.write(json.dumps({"gpu_data": amd_metric(hw, args)}, indent=4) + "\n")
+    elif cmd == "xgmi" and as_json and ("-l" in args or "--link-status" in args):
+        sys.stdout.write(json.dumps({"link_status": amd_xgmi_status(hw)}, indent=4) + "\n")
+    elif cmd in ("metric", "xgmi"):
+        sys.stderr.write(f"amd-smi {cmd}: unsupported here (gpufleet lab): {' '.join(args)}\n")
+        return 2
     elif cmd == "list":
         rows = [
             {
@@ -767,7 +856,7 @@ def amd_smi(hw, args):
             for r in rows:
                 sys.stdout.write(f"GPU: {r['gpu']}\n    BDF: {r['bdf']}\n    UUID: {r['uuid']}\n\n")
     else:
-        sys.stdout.write("usage: amd-smi [-h] {version,list,static} ...\n")
+        sys.stdout.write("usage: amd-smi [-h] {version,list,static,metric,xgmi} ...\n")
         return 2 if args else 0
     return 0
 

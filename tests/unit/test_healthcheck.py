@@ -606,6 +606,27 @@ def test_stopped_unit_and_failing_dependency_are_not_restarted(host, engine):
     assert re.search(rf"{decode} failure 4: inactive, not restarting", proc.stdout)
 
 
+def test_imex_down_on_a_tray_is_named_with_its_fix_and_never_restarted(host, engine):
+    """A GB200 tray's nvidia-imex stopped (the units as gpufleet_health_config writes them):
+    its check fails with the fix; the checker never restarts it, and the engine that
+    depends on it failing meanwhile is not counted."""
+    engine.mode = "error"
+    imex = "nvidia-imex.service"
+    host.set_units({UNIT: {"state": "active", "age": 1000}, imex: {"state": "failed", "age": 0}})
+    host.write_config(units=[
+        unit_cfg(engine.url, host.key_file, depends_on=[imex]),
+        {"unit": imex, "name": "nvidia-imex", "role": "host", "restart": False,
+         "fix": "start it (systemctl start nvidia-imex.service; its journal says why it "
+                "stopped)"}], restart={"after_failures": 1, "cooldown_s": 0})
+    for _ in range(3):
+        proc = host.run()
+        assert proc.returncode == 1
+    assert re.search(r"^FAIL active +nvidia-imex.service .*ActiveState=failed\. Fix: start it "
+                     r"\(systemctl start nvidia-imex.service", proc.stdout, re.M), proc.stdout
+    assert f"not counted: depends on unhealthy {imex}" in proc.stdout
+    assert host.restarts() == []
+
+
 def test_no_restart_flag_observes_only(host, engine):
     engine.mode = "error"
     host.write_config(engine, restart={"after_failures": 1})

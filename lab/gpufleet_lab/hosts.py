@@ -22,6 +22,7 @@ import re
 import shutil
 import signal
 import subprocess
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -236,6 +237,42 @@ def ssh_cmd(host: str, *command: str, user: str = "root", batch: bool = True) ->
     return ["ssh", "-F", str(SSH_CONFIG), "-l", user, *opts, host, *command]
 
 
+JOURNAL_REMOTE = "/lib/systemd/systemd-journal-remote"
+
+
+def kernel_message(host: str, message: str) -> None:
+    """Put a kernel message (an Xid) into a lab host's journal as the kernel's own lands
+    there: _TRANSPORT=kernel, this boot, this machine. A container gets no kernel messages,
+    so the controller writes a journal file from journald's export format
+    (systemd-journal-remote) into the host's journal directory, where journalctl -k reads
+    it and journalctl -k -f sees it appear (in every service too: BOOT_ID_DROPINS)."""
+    if not os.path.exists(JOURNAL_REMOTE):
+        raise LabError(f"{JOURNAL_REMOTE} is missing: apt-get install systemd-journal-remote "
+                       "(scripts/setup does)")
+    facts = subprocess.run(ssh_cmd(host, "cat /proc/sys/kernel/random/boot_id /etc/machine-id "
+                                   "/proc/uptime"), capture_output=True, text=True, timeout=30)
+    if facts.returncode != 0:
+        raise LabError(f"{host}: cannot read its boot id: {facts.stderr.strip()}")
+    boot, machine, uptime = facts.stdout.split()[:3]
+    fields = {"__REALTIME_TIMESTAMP": time.time_ns() // 1000,
+              "__MONOTONIC_TIMESTAMP": int(float(uptime) * 1e6),
+              "_BOOT_ID": boot.replace("-", ""), "_MACHINE_ID": machine, "_HOSTNAME": host,
+              "_TRANSPORT": "kernel", "SYSLOG_FACILITY": 0, "PRIORITY": 4,
+              "SYSLOG_IDENTIFIER": "kernel", "MESSAGE": message}
+    export = "".join(f"{k}={v}\n" for k, v in fields.items()) + "\n"
+    with tempfile.TemporaryDirectory() as tmp:
+        source, out = Path(tmp) / "entry.export", Path(tmp) / "kernel.journal"
+        source.write_text(export)
+        subprocess.run([JOURNAL_REMOTE, f"--output={out}", str(source)], check=True,
+                       capture_output=True, timeout=30)
+        name = f"/var/log/journal/{machine}/lab-kernel-{time.time_ns()}.journal"
+        # written beside, then renamed: journalctl never opens half a file
+        put = subprocess.run(ssh_cmd(host, f"cat > {name}.part && mv {name}.part {name}"),
+                             input=out.read_bytes(), capture_output=True, timeout=30)
+    if put.returncode != 0:
+        raise LabError(f"{host}: cannot write {name}: {put.stderr.decode().strip()}")
+
+
 # ---------------------------------------------------------------- per-host files
 
 
@@ -300,6 +337,21 @@ def render_hw(profile: str, faults: list[str], hostname: str) -> dict:
         raise LabError(f"{hostname}: {exc}") from None
 
 
+# systemd-nspawn shows the container its own boot id (over /proc/sys/kernel/random/boot_id);
+# a service that mounts its own /proc (ProtectProc=, ProtectKernelTunables=,
+# ProtectControlGroups= imply it; the health units set them) reads the kernel's instead, and
+# its journalctl -k keeps other entries than an ssh session's (binding the file back in
+# fails under their sandbox). A real host has one boot id: these vendor drop-ins (outside
+# /etc, so nothing gpufleet manages or records) keep the container's /proc for them.
+BOOT_ID_DROPINS = {
+    f"/usr/lib/systemd/system/{unit}.d/gpufleet-lab-boot-id.conf": (
+        b"# gpufleet lab: the container's /proc, so the container's boot id\n"
+        b"[Service]\nProtectProc=default\nProtectKernelTunables=no\n"
+        b"ProtectControlGroups=no\n", 0o644)
+    for unit in ("gpufleet-health.service", "gpufleet-health-watch.service")
+}
+
+
 def prepare_host(host: dict, all_hosts: list[dict], root: Path, pubkey: str, hw: dict) -> Path:
     """Fresh upper dir for ``host`` with its identity, keys, lab config and simulated
     hardware files ``hw`` (from render_hw); returns the host's state dir."""
@@ -329,6 +381,7 @@ def prepare_host(host: dict, all_hosts: list[dict], root: Path, pubkey: str, hw:
             0o644,
         ),
     }
+    files.update(BOOT_ID_DROPINS)
     if hw:
         files.update(HW_BOOT_FILES)
         files.update(hw)

@@ -21,7 +21,7 @@ import openai
 import pytest
 from labutil import BIN, ENV, ROOT, changed_tasks, digests, fab, playbook, recap, ssh
 
-from gpufleet_lab import net
+from gpufleet_lab import hosts, net
 
 pytestmark = pytest.mark.lab
 
@@ -150,6 +150,61 @@ def test_the_fabric_manager_stopping_is_named_with_the_fix(endpoint):
     finally:
         ssh("lab1", "systemctl start nvidia-fabricmanager.service", check=True)
     assert health()[0] == 0
+
+
+WATCH_LATENCY_S = 5  # the issue's goal: a host fault in the metrics within seconds
+
+
+def check_ok(host: str, check: str) -> str:
+    """gpufleet_health_check_ok of a host check in the host's metrics file, as written."""
+    text = ssh(host, "cat /var/lib/prometheus/node-exporter/gpufleet.prom")
+    found = re.search(rf'^gpufleet_health_check_ok{{check="{check}",unit=""}} (\S+)$', text, re.M)
+    return found.group(1) if found else "absent"
+
+
+def test_the_watcher_puts_a_host_fault_in_the_metrics_within_seconds(endpoint):
+    """gpufleet-health-watch: a GPU fault (the fabric's status, read below nvidia-smi) and a
+    fatal Xid in the kernel journal are in lab1's metrics within 5 s; fab health names them
+    with the GPU and the action, fab status names the host sick; the engines are not
+    restarted; once the fault is gone and the Xid cleared (after the GPU reset), the host
+    is healthy again."""
+    assert ssh("lab1", "systemctl is-active gpufleet-health-watch.service").strip() == "active"
+    restarts = {u: s["restarts"] for u, s in units().items()}
+    xml = ssh("lab1", "nvidia-smi -q -x")
+    pci = re.search(r'<gpu id="0000(\w{4}:\w\w:\w\w)\.0">', xml).group(1)
+    faults = (
+        ("fabric status", "gpu_fabric", lambda: ssh(
+            "lab1", "echo '{\"xml\": {\"3\": {\"status\": \"Insufficient Resources\"}}}' "
+            "> /var/lib/gpufleet-lab/gpu-faults.json", check=True)),
+        ("fatal Xid", "gpu_xid", lambda: hosts.kernel_message(
+            "lab1", f"NVRM: Xid (PCI:{pci}): 79, pid=0, GPU has fallen off the bus.")),
+    )
+    try:
+        for name, check, inject in faults:
+            assert check_ok("lab1", check) == "1"
+            started = time.monotonic()
+            inject()
+            wait(lambda c=check: check_ok("lab1", c) == "0", WATCH_LATENCY_S, 0.1)
+            print(f"{name}: in lab1's metrics after {time.monotonic() - started:.1f}s")
+        code, checks = health()
+        failing = {c["check"]: c["detail"] for c in checks if c["status"] == "fail"}
+        assert code == 1 and set(failing) == {"gpu_fabric", "gpu_xid"}, failing
+        assert re.search(r"Xid 79 on GPU 0 \(GPU-\S+, 0000" + pci + r"\.0\) .*Action: the GPU "
+                         "fell off the bus: reboot the host", failing["gpu_xid"])
+        assert "GPU 3 (" in failing["gpu_fabric"] and "Action:" in failing["gpu_fabric"]
+        log = ssh("lab1", "journalctl -u gpufleet-health-watch -o cat --no-pager")
+        assert "watch: running the host checks (Xid in the kernel log)" in log
+        assert "watch: running the host checks (gpu)" in log
+        status = fab("status", "--target", TARGET, "--format", "json")
+        assert status.returncode == 1
+        assert json.loads(status.stdout)["sick"]["lab1"]["checks"] == ["gpu_fabric", "gpu_xid"]
+        assert "lab1: SICK since " in fab("status", "--target", TARGET).stdout
+        assert {u: s["restarts"] for u, s in units().items()} == restarts
+    finally:
+        ssh("lab1", "rm -f /var/lib/gpufleet-lab/gpu-faults.json; /usr/bin/python3 -I -B "
+            "/usr/local/lib/gpufleet/healthcheck.py --clear-xid all", check=True)
+    wait(lambda: health()[0] == 0, 30, 2)
+    wait(lambda: check_ok("lab1", "gpu_fabric") == "1", 10, 0.5)
 
 
 def test_node_exporter_serves_the_health_metrics_when_asked_for(endpoint):

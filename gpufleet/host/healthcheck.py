@@ -616,6 +616,17 @@ def gpu_nvlink(cfg, gpus, state, started):
                    "error counters steady", started), links, errors
 
 
+def gpu_count(cfg, gpus, label, started):
+    """The gpu check: as many GPUs as the plan has; the detail lists each as label says."""
+    problems = []
+    if cfg["count"] is not None and len(gpus) < cfg["count"]:
+        problems.append("{} GPUs visible, {} expected. Action: a GPU fell off the bus or "
+                        "failed to initialize: reboot the host; reseat or replace it if it "
+                        "stays missing".format(len(gpus), cfg["count"]))
+    return verdict("gpu", problems, "{} GPUs: {}".format(len(gpus), ", ".join(
+        label.format(**g) for g in gpus)) if gpus else "0 GPUs", started)
+
+
 def check_nvidia(cfg, state):
     """The NVIDIA GPU checks from one `nvidia-smi -q -x` (and `nvlink -s/-e`); returns
     (results, per-GPU data for the metrics and the Xid check)."""
@@ -647,14 +658,8 @@ def check_nvidia(cfg, state):
                     "if it does not answer", rest="no data: nvidia-smi failed (see the gpu "
                     "check)")
     gpus = data["gpus"] = facts["gpus"]
-    problems = []
-    if cfg["count"] is not None and len(gpus) < cfg["count"]:
-        problems.append("{} GPUs visible, {} expected. Action: a GPU fell off the bus or "
-                        "failed to initialize: reboot the host; reseat or replace it if it "
-                        "stays missing".format(len(gpus), cfg["count"]))
-    results = [verdict("gpu", problems, "{} GPUs: {}".format(len(gpus), ", ".join(
-        "{} {}".format(g["index"], g["uuid"]) for g in gpus)) if gpus else "0 GPUs", started),
-               gpu_ecc(cfg, gpus, started), gpu_remap(gpus, started), gpu_pcie(gpus, started),
+    results = [gpu_count(cfg, gpus, "{index} {uuid}", started), gpu_ecc(cfg, gpus, started),
+               gpu_remap(gpus, started), gpu_pcie(gpus, started),
                gpu_clocks(gpus, started), gpu_fabric(cfg, gpus, started)]
     try:
         nvlink, data["links"], data["nvlink_errors"] = gpu_nvlink(
@@ -932,14 +937,8 @@ def check_amd(cfg):
         return only(FAIL, f"{why}. Action: check the amdgpu driver (dmesg), reboot if it does "
                     "not answer", "no data: amd-smi failed (see the gpu check)")
     gpus = data["gpus"] = amd_gpus(listed, static, metric)
-    problems = []
-    if cfg["count"] is not None and len(gpus) < cfg["count"]:
-        problems.append("{} GPUs visible, {} expected. Action: a GPU fell off the bus or "
-                        "failed to initialize: reboot the host; reseat or replace it if it "
-                        "stays missing".format(len(gpus), cfg["count"]))
-    results = [verdict("gpu", problems, "{} GPUs: {}".format(len(gpus), ", ".join(
-        "{} {} {}".format(g["index"], g["uuid"], g["bus_id"]) for g in gpus)) if gpus
-        else "0 GPUs", started), amd_ecc(gpus, started), amd_thermal(cfg, gpus, started)]
+    results = [gpu_count(cfg, gpus, "{index} {uuid} {bus_id}", started),
+               amd_ecc(gpus, started), amd_thermal(cfg, gpus, started)]
     try:
         xgmi = amd_xgmi(cfg, gpus, time.monotonic())
     except Exception as exc:  # noqa: BLE001 - its own error; the other checks stand

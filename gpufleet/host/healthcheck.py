@@ -627,6 +627,23 @@ def gpu_count(cfg, gpus, label, started):
         label.format(**g) for g in gpus)) if gpus else "0 GPUs", started)
 
 
+def gpu_only(checks, status, detail, rest, started):
+    """The gpu check's result; the vendor's other checks do not apply without its data."""
+    return [result("gpu", "", status, detail, started)] + [
+        result(c, "", NA, rest or detail, started) for c in checks[1:]]
+
+
+def nvidia_smi_gpus(timeout):
+    """(the GPUs of `nvidia-smi -q -x`, None), or (None, why it gave none)."""
+    rc, out, err = run(["nvidia-smi", "-q", "-x"], timeout)
+    if rc == 0:
+        try:
+            return gpu_facts.parse_nvidia_smi_xml(out)["gpus"], None
+        except ET.ParseError as exc:
+            rc, err = 1, f"bad XML: {exc}"
+    return None, first_line(err) or first_line(out) or f"exited {rc}"
+
+
 def check_nvidia(cfg, state):
     """The NVIDIA GPU checks from one `nvidia-smi -q -x` (and `nvlink -s/-e`); returns
     (results, per-GPU data for the metrics and the Xid check)."""
@@ -635,10 +652,7 @@ def check_nvidia(cfg, state):
     vendor = cfg["vendor"]
 
     def only(check_status, detail, rest=None):
-        """The gpu check's result; the others do not apply without its data."""
-        first = result("gpu", "", check_status, detail, started)
-        others = [result(c, "", NA, rest or detail, started) for c in GPU_CHECKS[1:]]
-        return [first] + others, data
+        return gpu_only(GPU_CHECKS, check_status, detail, rest, started), data
 
     if shutil.which("nvidia-smi") is None:
         if vendor == "nvidia":
@@ -646,18 +660,12 @@ def check_nvidia(cfg, state):
                         "Action: install the NVIDIA driver (the nvidia_driver role)",
                         rest="no data: nvidia-smi not found (see the gpu check)")
         return only(NA, "nvidia-smi not found")
-    rc, out, err = run(["nvidia-smi", "-q", "-x"], cfg["timeout_s"])
-    if rc == 0:
-        try:
-            facts = gpu_facts.parse_nvidia_smi_xml(out)
-        except ET.ParseError as exc:
-            rc, err = 1, f"bad XML: {exc}"
-    if rc != 0:
-        why = first_line(err) or first_line(out) or f"exited {rc}"
+    gpus, why = nvidia_smi_gpus(cfg["timeout_s"])
+    if why:
         return only(FAIL, f"nvidia-smi -q -x: {why}. Action: check the driver (dmesg), reboot "
                     "if it does not answer", rest="no data: nvidia-smi failed (see the gpu "
                     "check)")
-    gpus = data["gpus"] = facts["gpus"]
+    data["gpus"] = gpus
     results = [gpu_count(cfg, gpus, "{index} {uuid}", started), gpu_ecc(cfg, gpus, started),
                gpu_remap(gpus, started), gpu_pcie(gpus, started),
                gpu_clocks(gpus, started), gpu_fabric(cfg, gpus, started)]
@@ -920,9 +928,7 @@ def check_amd(cfg):
     data = {"gpus": []}
 
     def only(check_status, detail, rest):
-        """The gpu check's result; the others do not apply without its data."""
-        return [result("gpu", "", check_status, detail, started)] + [
-            result(c, "", NA, rest, started) for c in AMD_GPU_CHECKS[1:]], data
+        return gpu_only(AMD_GPU_CHECKS, check_status, detail, rest, started), data
 
     if shutil.which("amd-smi") is None:
         return only(FAIL, "amd-smi not found, but this host's plan uses AMD GPUs. Action: "
@@ -1458,13 +1464,9 @@ class Nvml:
 
 def smi_signature(timeout):
     """The fields of nvidia-smi -q -x that the host checks fail on (no NVML here)."""
-    rc, out, err = run(["nvidia-smi", "-q", "-x"], timeout)
-    if rc != 0:
-        return ("nvidia-smi", rc, first_line(err))
-    try:
-        gpus = gpu_facts.parse_nvidia_smi_xml(out)["gpus"]
-    except ET.ParseError as exc:
-        return ("nvidia-smi", "bad XML", str(exc))
+    gpus, why = nvidia_smi_gpus(timeout)
+    if why:
+        return ("nvidia-smi", why)
     return [(g["uuid"], g["bus_id"], g["ecc_errors"]["volatile"].get("uncorrectable"),
              g["remapped_rows_pending"], g["remapped_rows_failure"],
              tuple(g["clock_events"].get(c) for c in ("hw_slowdown", "hw_thermal_slowdown",
@@ -1479,11 +1481,11 @@ def ib_signature(cfg):
             for p in ib_ports(cfg["sysfs"], cfg["devices"])]
 
 
-def follow_xids(wake, log, stop=None):
+def follow_xids(wake, log):
     """Follow the kernel log; set wake on every Xid message. Restarts journalctl if it ends."""
     argv = ["journalctl", "-k", "-f", "-n", "0", "-o", "json", "--output-fields=MESSAGE",
             "-q", "--no-pager"]
-    while stop is None or not stop.is_set():
+    while True:
         try:
             proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                     stderr=subprocess.DEVNULL)
@@ -1504,7 +1506,7 @@ def follow_xids(wake, log, stop=None):
         time.sleep(5)
 
 
-def watch(config, cfg, log, rounds=None):
+def watch(config, cfg, log):
     """Stay resident; run the host's checks at start and whenever what they read changes."""
     nvml = Nvml.open() if cfg["gpu"]["vendor"] != "amd" else None
     smi = nvml is None and cfg["gpu"]["vendor"] == "nvidia" and shutil.which("nvidia-smi")
@@ -1515,9 +1517,8 @@ def watch(config, cfg, log, rounds=None):
     wake = threading.Event()
     if shutil.which("journalctl"):
         threading.Thread(target=follow_xids, args=(wake, log), daemon=True).start()
-    last, polls = None, 0
-    while rounds is None or polls < rounds:
-        polls += 1
+    last = None
+    while True:
         now = {"gpu": nvml.signature() if nvml else smi_signature(
             cfg["gpu"]["timeout_s"]) if smi else None,
             "ib": ib_signature(cfg["ib"]) if cfg["ib"] else None}
@@ -1530,7 +1531,6 @@ def watch(config, cfg, log, rounds=None):
             main(["--config", config, "--host-only"])
         last = now
         wake.wait(cfg["watch"]["interval_s"])
-    return 0
 
 
 def main(argv=None):

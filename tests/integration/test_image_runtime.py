@@ -167,7 +167,12 @@ def test_rolling_restart_a_killed_engine_and_health_work_as_for_venv_units(deplo
     while time.monotonic() < deadline:
         now = main_pids("lab1")["gpufleet-prefill.service"]
         state = ssh("lab1", "systemctl is-active gpufleet-prefill.service").strip()
-        if now not in ("0", after["gpufleet-prefill.service"]) and state == "active":
+        # active is the container started; ready is the engine inside answering (as the
+        # venv test waits for), which fab health asks next
+        ready = ssh("lab1", "curl -fsS -m 2 -o /dev/null -w '%{http_code}' "
+                    "http://127.0.0.1:8001/health").strip()
+        if now not in ("0", after["gpufleet-prefill.service"]) and state == "active" \
+                and ready == "200":
             break
         time.sleep(2)
     else:

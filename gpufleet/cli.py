@@ -139,17 +139,26 @@ def health_text(results: dict, unreachable: list[str], out=sys.stdout) -> None:
         print(line, file=out)
     for host, r in sorted(results.items()):
         if r.get("host_fault"):
-            print(f"{host}: SICK ({', '.join(r['host_fault'])}): restarts held; drain it and "
-                  "fix what the check says", file=out)
+            print(f"{host}: SICK ({', '.join(r['host_fault'])}): {held_text(r)}; fix what "
+                  "the check says", file=out)
     for host in unreachable:
         print(f"{host}: unreachable", file=out)
+
+
+def held_text(fault: dict) -> str:
+    """What the health checker does on a sick host: its engines stopped (drained), or,
+    with health_drain off or no engine running, their restarts held."""
+    if fault.get("drained"):
+        return (f"engines stopped, out of their routers' pools ({', '.join(fault['drained'])}) "
+                "until its checks pass")
+    return "its engines' restarts are held"
 
 
 def sick_text(host: str, fault: dict) -> str:
     """`fab status`'s line for a host whose health checker holds its restarts."""
     since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(fault.get("since") or 0))
-    return (f"{host}: SICK since {since} ({', '.join(fault.get('checks') or [])}): its "
-            "engines' restarts are held; drain it and fix what `fab health` names")
+    return (f"{host}: SICK since {since} ({', '.join(fault.get('checks') or [])}): "
+            f"{held_text(fault)}; fix what `fab health` names")
 
 
 def plan_text(plan: Plan, out=sys.stdout) -> None:

@@ -203,6 +203,8 @@ def validate(raw):
         "error_delta_max": dict(DEFAULT_IB_DELTA, **_field(
             ib, "error_delta_max", "ib", (dict,), {}, _counter_limits, COUNTER_LIMITS)),
     }
+    # a sick host's engines are stopped until its host checks pass again (drain)
+    cfg["drain"] = _field(raw, "drain", "", (bool,), True)
     watch = _field(raw, "watch", "", (dict,), {})
     cfg["watch"] = {
         # how often the resident watcher (--watch) polls NVML or nvidia-smi and sysfs
@@ -1099,6 +1101,10 @@ HOST_FAULT_CHECKS = ("gpu", "gpu_ecc", "gpu_remap", "gpu_fabric", "gpu_nvlink", 
                      "gpu_xid", "ib")
 
 
+# the units that run an engine on the GPUs: the ones a sick host's drain stops
+ENGINE_ROLES = ("prefill", "decode", "worker")
+
+
 def host_faults(results):
     """The failed host checks that hold restarts, as "check" names."""
     return sorted({r["check"] for r in results
@@ -1166,6 +1172,44 @@ def decide_restarts(cfg, statuses, failed, state, log, act, errored=(), held=())
             decisions[name] = "systemctl restart failed: %s" % (first_line(err) or rc)
         log(f"restart {name}: {decisions[name]}")
     return decisions
+
+
+def drain(cfg, state, statuses, held, log):
+    """Take a sick host's engines out of service, and back once it is healthy. While a host
+    fault holds (held) and cfg["drain"] is on, stop the engine units that run: systemd's
+    SIGTERM makes vLLM and SGLang finish and close their ports, so the routers' health checks
+    and circuit breakers send elsewhere, and makes a Dynamo worker deregister from
+    discovery at once. When no host fault holds, start exactly the units it stopped.
+    state["drained"] lists them (a reboot or redeploy between the two is harmless)."""
+    names = {u["unit"] for u in cfg["units"]}
+    drained = [n for n in state.get("drained") or [] if n in names]
+
+    def systemctl(verb, name, done):
+        rc, _, err = run(["systemctl", verb, "--no-block", name], 30)
+        if rc == 0:
+            log(f"drain {name}: {done}")
+        else:
+            log(f"FAIL drain   {name} systemctl {verb} failed: {first_line(err) or rc}")
+        return rc == 0
+
+    if held and cfg["drain"]:
+        why = "stopped while the host is sick ({}); started again once its checks pass".format(
+            ", ".join(held))
+        for unit in cfg["units"]:
+            name = unit["unit"]
+            running = statuses.get(name, {}).get("active_state") in (
+                "active", "activating", "reloading")
+            if unit["role"] in ENGINE_ROLES and name not in drained and running and \
+                    systemctl("stop", name, why):
+                drained.append(name)
+    elif not held:
+        drained = [n for n in drained
+                   if not systemctl("start", n, "the host is healthy again, started")]
+    if drained:
+        state["drained"] = drained
+    else:
+        state.pop("drained", None)
+    return drained
 
 
 # ------------------------------------------------------------------------------ metrics
@@ -1335,6 +1379,11 @@ def metrics(cfg, results, statuses, state, gpu, xids, free, ib, ran_at, took, he
                      "needs a reset, a link down): the host should be drained.",
                      [({"check": c}, c in held) for c in HOST_FAULT_CHECKS
                       if any(r["check"] == c and r["status"] != NA for r in results)]))
+    families.append(("gpufleet_unit_drained", "gauge",
+                     "1 while the checker holds the engine unit stopped because the host is "
+                     "sick (drain); it starts it again once the host checks pass.",
+                     [({"unit": u["unit"]}, u["unit"] in (state.get("drained") or []))
+                      for u in cfg["units"] if u["role"] in ENGINE_ROLES]))
     families.append(("gpufleet_health_run_duration_seconds", "gauge",
                      "Wall time of the checker's last run.", [({}, took)]))
     return render_metrics(families)
@@ -1639,9 +1688,12 @@ def main(argv=None):
     decisions = {} if args.host_only else decide_restarts(
         cfg, statuses, failed, state if lock else json.loads(json.dumps(state)), log,
         act=lock is not None, errored=errored, held=held)
+    if lock is not None:
+        drain(cfg, state, statuses, held, log)
     if held:  # fab status reads it: the host is sick since the first run that saw it
         since = (state.get("host_fault") or {}).get("since") or time.time()
-        state["host_fault"] = {"checks": held, "since": since}
+        state["host_fault"] = {"checks": held, "since": since,
+                               "drained": state.get("drained") or []}
     else:
         state.pop("host_fault", None)
     if lock is not None:
@@ -1654,8 +1706,9 @@ def main(argv=None):
     for name, text in decisions.items():
         log(f"INFO restart  {name} {text}")
     if held:
-        log("INFO host     - restarts held while {} fails: drain this host, fix what the check "
-            "names".format(", ".join(held)))
+        log("INFO host     - restarts held while {} fails{}: fix what the check names".format(
+            ", ".join(held), "; engines stopped (drained): " + ", ".join(state["drained"])
+            if state.get("drained") else ""))
 
     healthy = all(r["status"] in (OK, NA) for r in results)
     took = time.monotonic() - started
@@ -1683,7 +1736,8 @@ def main(argv=None):
                 "restart": decisions.get(name)}
         print(json.dumps({"host": cfg["host"], "healthy": healthy, "exit_code": code,
                           "timestamp": time.time(), "checks": results, "units": units,
-                          "host_fault": held}, indent=1, sort_keys=True))
+                          "host_fault": held, "drained": state.get("drained") or []},
+                         indent=1, sort_keys=True))
     return code
 
 

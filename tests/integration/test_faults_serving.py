@@ -26,6 +26,7 @@ from gpufleet_lab import hosts, net
 pytestmark = pytest.mark.lab
 
 TARGET = "h200-pd-1node"
+ENGINES = ["gpufleet-prefill.service", "gpufleet-decode.service"]
 MODEL = "zai-org/GLM-5.3-Flash"
 
 
@@ -165,9 +166,9 @@ def check_ok(host: str, check: str) -> str:
 def test_the_watcher_puts_a_host_fault_in_the_metrics_within_seconds(endpoint):
     """gpufleet-health-watch: a GPU fault (the fabric's status, read below nvidia-smi) and a
     fatal Xid in the kernel journal are in lab1's metrics within 5 s; fab health names them
-    with the GPU and the action, fab status names the host sick; the engines are not
-    restarted; once the fault is gone and the Xid cleared (after the GPU reset), the host
-    is healthy again."""
+    with the GPU and the action, fab status names the host sick; the engines are stopped
+    (drained: out of the router's pool), never restarted; once the fault is gone and the
+    Xid cleared (after the GPU reset), they start again and the host is healthy again."""
     assert ssh("lab1", "systemctl is-active gpufleet-health-watch.service").strip() == "active"
     restarts = {u: s["restarts"] for u, s in units().items()}
     xml = ssh("lab1", "nvidia-smi -q -x")
@@ -187,7 +188,9 @@ def test_the_watcher_puts_a_host_fault_in_the_metrics_within_seconds(endpoint):
             wait(lambda c=check: check_ok("lab1", c) == "0", WATCH_LATENCY_S, 0.1)
             print(f"{name}: in lab1's metrics after {time.monotonic() - started:.1f}s")
         code, checks = health()
-        failing = {c["check"]: c["detail"] for c in checks if c["status"] == "fail"}
+        # the host's checks; the units' fail too once the engines are stopped (drained)
+        failing = {c["check"]: c["detail"] for c in checks
+                   if c["status"] == "fail" and not c["unit"]}
         assert code == 1 and set(failing) == {"gpu_fabric", "gpu_xid"}, failing
         assert re.search(r"Xid 79 on GPU 0 \(GPU-\S+, 0000" + pci + r"\.0\) .*Action: the GPU "
                          "fell off the bus: reboot the host", failing["gpu_xid"])
@@ -197,14 +200,24 @@ def test_the_watcher_puts_a_host_fault_in_the_metrics_within_seconds(endpoint):
         assert "watch: running the host checks (gpu)" in log
         status = fab("status", "--target", TARGET, "--format", "json")
         assert status.returncode == 1
-        assert json.loads(status.stdout)["sick"]["lab1"]["checks"] == ["gpu_fabric", "gpu_xid"]
+        sick = json.loads(status.stdout)["sick"]["lab1"]
+        assert sick["checks"] == ["gpu_fabric", "gpu_xid"]
+        assert sick["drained"] == ENGINES, sick
         assert "lab1: SICK since " in fab("status", "--target", TARGET).stdout
-        assert {u: s["restarts"] for u, s in units().items()} == restarts
+        now = units()
+        assert {u: s["restarts"] for u, s in now.items()} == restarts
+        assert {u: now[u]["active"] for u in ENGINES} == dict.fromkeys(ENGINES, "inactive")
+        assert now["gpufleet-router.service"]["active"] == "active"  # not an engine
+        drained = ssh("lab1", "grep ^gpufleet_unit_drained /var/lib/prometheus/node-exporter/"
+                      "gpufleet.prom")
+        assert 'gpufleet_unit_drained{unit="gpufleet-decode.service"} 1' in drained, drained
     finally:
         ssh("lab1", "rm -f /var/lib/gpufleet-lab/gpu-faults.json; /usr/bin/python3 -I -B "
             "/usr/local/lib/gpufleet/healthcheck.py --clear-xid all", check=True)
-    wait(lambda: health()[0] == 0, 30, 2)
+    # the next run (the watcher's on the fabric change, or the timer's) starts them again
+    wait(lambda: health()[0] == 0, 150, 3)
     wait(lambda: check_ok("lab1", "gpu_fabric") == "1", 10, 0.5)
+    assert all(units()[u]["ready"] for u in ENGINES)
 
 
 def test_node_exporter_serves_the_health_metrics_when_asked_for(endpoint):

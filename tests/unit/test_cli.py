@@ -173,7 +173,7 @@ def test_fab_health_text_shows_the_whole_failure_and_the_sick_host():
     health_text(results, ["lab3"], out)
     text = out.getvalue()
     assert f"lab1 gpu_xid -: {detail}\n" in text  # the action is never cut off
-    assert "lab1: SICK (gpu_xid): restarts held; drain it" in text
+    assert "lab1: SICK (gpu_xid): its engines' restarts are held; fix what" in text
     assert "lab2: SICK" not in text and "lab3: unreachable" in text
     assert max(len(line) for line in text.splitlines() if line.startswith("lab2")) < 100
 
@@ -183,4 +183,8 @@ def test_fab_status_names_a_sick_host_with_its_checks_and_since():
 
     line = sick_text("lab1", {"checks": ["gpu_fabric", "gpu_xid"], "since": 1796140000})
     assert line.startswith("lab1: SICK since 20")
-    assert "(gpu_fabric, gpu_xid): its engines' restarts are held; drain it" in line
+    assert "(gpu_fabric, gpu_xid): its engines' restarts are held; fix what" in line
+    line = sick_text("lab1", {"checks": ["gpu_xid"], "since": 1796140000,
+                              "drained": ["gpufleet-decode.service"]})
+    assert ("(gpu_xid): engines stopped, out of their routers' pools "
+            "(gpufleet-decode.service) until its checks pass") in line

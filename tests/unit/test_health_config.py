@@ -64,6 +64,7 @@ ONE_NODE = {
             "fabric": False},
     "ib": None,
     "watch": {"interval_s": 2.0},
+    "drain": True,
 }
 
 

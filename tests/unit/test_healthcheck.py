@@ -61,6 +61,12 @@ elif verb == "is-active":
     sys.exit(0 if u and u["state"] == "active" else 3)
 elif verb == "restart":
     sys.exit(0 if u else 5)
+elif verb in ("stop", "start"):
+    if u is None:
+        sys.exit(5)
+    u.update(state="inactive" if verb == "stop" else "active", age=0)
+    with open(state_path, "w") as f:
+        json.dump(units, f)
 '''
 # -q -x from FAKE_NVIDIA_SMI_XML; nvlink -s / -e from the files next to it (none: the
 # empty output of a GPU without NVLink, as on the real 1x H200)
@@ -1276,7 +1282,7 @@ def test_a_sick_gpu_holds_restarts_until_it_is_fixed(host, engine):
     report = json.loads(proc.stdout)
     assert report["host_fault"] == ["gpu_xid"]
     assert "not counted: the host is sick (gpu_xid failed)" in report["units"][UNIT]["restart"]
-    assert "restarts held while gpu_xid fails: drain this host" in proc.stderr
+    assert "restarts held while gpu_xid fails: fix what the check names" in proc.stderr
     assert host.restarts() == []
     m = host.metrics()
     assert value(m, "gpufleet_host_fault", check="gpu_xid") == 1
@@ -1292,6 +1298,52 @@ def test_a_sick_gpu_holds_restarts_until_it_is_fixed(host, engine):
     assert json.loads(proc.stdout)["host_fault"] == []
     assert "host_fault" not in json.loads(host.state.read_text())
     assert len(host.restarts()) == 1, proc.stderr
+
+
+def test_a_sick_host_drains_its_engines_and_starts_them_once_healthy(host, engine):
+    """A fatal Xid: the checker stops the host's engine units (routers route around a
+    stopped worker; Dynamo's deregisters), leaves the router alone, says so in its JSON,
+    state and metrics; observing runs and health_drain off stop nothing; once the GPU is
+    reset it starts exactly the units it stopped."""
+    decode = "gpufleet-decode.service"
+    host.set_units({UNIT: {"state": "active", "age": 100000},
+                    decode: {"state": "active", "age": 100000}})
+    host.nvidia_smi(XML2.read_text())
+    host.nvlink(NVLINK_S.read_text(), nvlink_errors(2, 18))
+    host.journal("NVRM: Xid (PCI:0000:00:07): 79, pid=0, GPU has fallen off the bus.\n")
+    units = [unit_cfg(engine.url, host.key_file),
+             unit_cfg(engine.url, None, unit=decode, name="decode", role="decode",
+                      generate_url=None, served_name=None)]
+    gpu = {"vendor": "nvidia", "count": 2, "fabric": True}
+
+    def calls(verb):
+        return [c for c in map(json.loads, host.systemctl_log.read_text().splitlines())
+                if c[0] == verb]
+
+    host.write_config(units=units, gpu=gpu, drain=False)
+    assert host.run().returncode == 1
+    host.write_config(units=units, gpu=gpu)
+    assert host.run("--no-restart").returncode == 1  # fab health observes only
+    assert calls("stop") == []
+    proc = host.run("--json")
+    report = json.loads(proc.stdout)
+    assert report["host_fault"] == ["gpu_xid"] and report["drained"] == [decode]
+    assert calls("stop") == [["stop", "--no-block", decode]]
+    assert "engines stopped (drained): " + decode in proc.stderr
+    assert json.loads(host.state.read_text())["host_fault"]["drained"] == [decode]
+    m = host.metrics()
+    assert value(m, "gpufleet_unit_drained", unit=decode) == 1
+    assert ("gpufleet_unit_drained", (("unit", UNIT),)) not in m  # the router is not an engine
+    assert host.run().returncode == 1 and len(calls("stop")) == 1  # stopped once
+    assert host.restarts() == []
+    # the GPU was reset: the unit it stopped starts again, and nothing else
+    assert host.run("--clear-xid", "all").returncode == 0
+    proc = host.run("--json")
+    assert json.loads(proc.stdout)["drained"] == []
+    assert calls("start") == [["start", "--no-block", decode]]
+    assert "drained" not in json.loads(host.state.read_text())
+    assert value(host.metrics(), "gpufleet_unit_drained", unit=decode) == 0
+    assert f"drain {decode}: the host is healthy again, started" in proc.stderr
 
 
 def test_cache_filesystem_full(host, engine):

@@ -15,7 +15,7 @@ OPTIONS = (
     "gpu_timeout_s", "xid_fatal", "ecc_aggregate_max", "nvlink_error_delta_max",
     "gpu_temperature_max_c",
     "fabric_external", "ib_sysfs", "ib_min_rate_gbps", "ib_error_delta_max",
-    "watch_interval_s",
+    "watch_interval_s", "drain",
 )
 
 
@@ -135,6 +135,7 @@ def health_config(slice_: dict, **options) -> dict:
             "error_delta_max": {k: int(v) for k, v in opt["ib_error_delta_max"].items()},
         } if facts.get("rdma") else None,
         "watch": {"interval_s": float(opt["watch_interval_s"])},
+        "drain": _bool("drain", opt["drain"]),
     }
 
 

@@ -33,7 +33,8 @@ units:
   returned: always
 host_fault:
   description: The host checks failing in the health checker's last run that hold the
-    engines' restarts (checks, since, updated), or null when the host is not sick or the
+    engines' restarts (checks, since, updated) and the engine units it stopped (drained),
+    or null when the host is not sick or the
     checker never ran.
   type: dict
   returned: always

@@ -263,6 +263,7 @@ def test_hosts_that_pulled_different_digests_are_refused_naming_both(sglang_depl
     assert again.returncode == 0, again.stdout[-4000:]
 
 
+@pytest.mark.slow  # about 3 minutes: two Dynamo deploys and a reboot
 def test_dynamo_over_rdma_is_refused_where_containers_cannot_lock_memory_then_serves(
         sglang_deployed):
     lab_images.ensure(engines=["dynamo"])

@@ -101,6 +101,7 @@ def latency(args):
         return found.group(1) if found else None
 
     def green():  # the fault gone (the Xid cleared after the "reset"); one timer run
+        hosts.clear_kernel_messages(args.host)
         ssh(f"rm -f {faults_file}; {CHECKER} --clear-xid all >/dev/null || true")
         for sysfs_state in ib_states:
             ssh(f"echo '4: ACTIVE' > {sysfs_state}")

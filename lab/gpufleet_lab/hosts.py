@@ -273,6 +273,16 @@ def kernel_message(host: str, message: str) -> None:
         raise LabError(f"{host}: cannot write {name}: {put.stderr.decode().strip()}")
 
 
+def clear_kernel_messages(host: str) -> None:
+    """Remove the kernel messages kernel_message put into a host's journal, as a reboot
+    leaves a fresh kernel log: a later deploy whose checker starts without a journal cursor
+    (after a teardown) reads this boot's kernel log from its start and would find them."""
+    done = subprocess.run(ssh_cmd(host, "rm -f /var/log/journal/*/lab-kernel-*.journal"),
+                          capture_output=True, text=True, timeout=30)
+    if done.returncode != 0:
+        raise LabError(f"{host}: cannot remove its lab kernel messages: {done.stderr.strip()}")
+
+
 # ---------------------------------------------------------------- per-host files
 
 

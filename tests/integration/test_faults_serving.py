@@ -212,6 +212,9 @@ def test_the_watcher_puts_a_host_fault_in_the_metrics_within_seconds(endpoint):
                       "gpufleet.prom")
         assert 'gpufleet_unit_drained{unit="gpufleet-decode.service"} 1' in drained, drained
     finally:
+        # the GPU reset: the Xid cleared; the lab's kernel messages go too, so that a later
+        # module's fresh checker (no journal cursor after a teardown) does not find it
+        hosts.clear_kernel_messages("lab1")
         ssh("lab1", "rm -f /var/lib/gpufleet-lab/gpu-faults.json; /usr/bin/python3 -I -B "
             "/usr/local/lib/gpufleet/healthcheck.py --clear-xid all", check=True)
     # the next run (the watcher's on the fabric change, or the timer's) starts them again

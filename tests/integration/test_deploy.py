@@ -9,12 +9,13 @@ host comes back, the health timer writes metrics, and teardown leaves nothing.
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import time
 
 import pytest
-from labutil import changed_tasks, fab, playbook, recap, ssh
+from labutil import BIN, ROOT, changed_tasks, fab, playbook, recap, ssh
 
 from gpufleet_lab import hosts as lab_hosts
 
@@ -70,6 +71,25 @@ def test_without_the_tool_call_parser_the_smoke_test_names_it(lab):
                "--unset", "engines:--enable-auto-tool-choice")
     assert proc.returncode == 1
     assert "tool_call failed" in proc.stdout and "--tool-call-parser glm47" in proc.stdout
+
+
+def test_site_yml_runs_unchanged_under_ansible_runner(lab, tmp_path):
+    """AWX and Ansible Automation Platform run playbooks through ansible-runner, with the
+    repository as the project directory (its ansible.cfg read from there): through
+    ansible-runner's Python API, site.yml on the lab inventory succeeds, the smoke test
+    passes, and after fab deploy nothing changes."""
+    import ansible_runner
+
+    run = ansible_runner.run(
+        private_data_dir=str(tmp_path), project_dir=str(ROOT), playbook="site.yml",
+        inventory=str(ROOT / "inventories" / "lab"), quiet=True,
+        envvars={"PATH": f"{BIN}:{os.environ['PATH']}"})
+    output = run.stdout.read()
+    assert (run.status, run.rc) == ("successful", 0), output[-4000:]
+    assert run.stats["failures"] == {} and run.stats["changed"] == {}, run.stats
+    assert "lab1" in run.stats["ok"]
+    tasks = {e["event_data"].get("task") for e in run.events if e["event"] == "runner_on_ok"}
+    assert "Smoke | Results" in tasks, sorted(t for t in tasks if t)
 
 
 def test_a_killed_engine_is_restarted_and_health_returns_to_green(lab):

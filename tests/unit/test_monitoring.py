@@ -57,6 +57,7 @@ METRICS = {
     "gpufleet_ib_port_rate_gbps",
     "gpufleet_ib_port_errors",
     "gpufleet_host_fault",
+    "gpufleet_unit_drained",
 }
 # Not the checker's: Prometheus' own `up`, and node_exporter's build info (the absent
 # alert tells node_exporter targets from other scrape targets with it).

@@ -1174,13 +1174,24 @@ def decide_restarts(cfg, statuses, failed, state, log, act, errored=(), held=())
     return decisions
 
 
+def drain_faults(cfg, held, statuses):
+    """The host faults that drain the host: all held ones, except the GPU fabric's state
+    while a host service (the fabric manager, IMEX) is down. That state follows the
+    service, the engines already running keep their NVLink mappings and serve, and stopped
+    they could not start again until the service is back: its own check names the fix."""
+    services_down = [u for u in cfg["units"] if u["role"] == "host" and
+                     statuses.get(u["unit"], {}).get("active_state") != "active"]
+    return [c for c in held if not (c == "gpu_fabric" and services_down)]
+
+
 def drain(cfg, state, statuses, held, log):
     """Take a sick host's engines out of service, and back once it is healthy. While a host
     fault holds (held) and cfg["drain"] is on, stop the engine units that run: systemd's
     SIGTERM makes vLLM and SGLang finish and close their ports, so the routers' health checks
     and circuit breakers send elsewhere, and makes a Dynamo worker deregister from
-    discovery at once. When no host fault holds, start exactly the units it stopped.
-    state["drained"] lists them (a reboot or redeploy between the two is harmless)."""
+    discovery at once (drain_faults says which faults drain). When no host fault holds,
+    start exactly the units it stopped. state["drained"] lists them (a reboot or redeploy
+    between the two is harmless)."""
     names = {u["unit"] for u in cfg["units"]}
     drained = [n for n in state.get("drained") or [] if n in names]
 
@@ -1192,9 +1203,10 @@ def drain(cfg, state, statuses, held, log):
             log(f"FAIL drain   {name} systemctl {verb} failed: {first_line(err) or rc}")
         return rc == 0
 
-    if held and cfg["drain"]:
+    draining = drain_faults(cfg, held, statuses)
+    if draining and cfg["drain"]:
         why = "stopped while the host is sick ({}); started again once its checks pass".format(
-            ", ".join(held))
+            ", ".join(draining))
         for unit in cfg["units"]:
             name = unit["unit"]
             running = statuses.get(name, {}).get("active_state") in (

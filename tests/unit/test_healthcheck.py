@@ -1346,6 +1346,36 @@ def test_a_sick_host_drains_its_engines_and_starts_them_once_healthy(host, engin
     assert f"drain {decode}: the host is healthy again, started" in proc.stderr
 
 
+def test_the_fabric_state_of_a_stopped_fabric_manager_holds_restarts_but_drains_nothing(
+        host, engine):
+    """The fabric manager stopped: the GPUs' fabric state leaves Completed, yet the running
+    engines keep serving and, stopped, could not start until it is back: restarts held, its
+    check names the fix, no engine stopped. The same fabric state with the manager running
+    is a fabric fault: the host is drained."""
+    fm, decode = "nvidia-fabricmanager.service", "gpufleet-decode.service"
+    host.set_units({UNIT: {"state": "active", "age": 100000},
+                    decode: {"state": "active", "age": 100000},
+                    fm: {"state": "inactive", "age": 0}})
+    host.nvidia_smi(XML2.read_text().replace("<state>Completed</state>",
+                                             "<state>In Progress</state>"))
+    host.nvlink(NVLINK_S.read_text(), nvlink_errors(2, 18))
+    units = [unit_cfg(engine.url, host.key_file, depends_on=[fm]),
+             unit_cfg(engine.url, None, unit=decode, name="decode", role="decode",
+                      generate_url=None, served_name=None, depends_on=[fm]),
+             {"unit": fm, "name": "nvidia-fabricmanager", "role": "host", "restart": False,
+              "fix": "start it"}]
+    host.write_config(units=units, gpu={"vendor": "nvidia", "count": 2, "fabric": True})
+    proc = host.run("--json")
+    report = json.loads(proc.stdout)
+    assert report["host_fault"] == ["gpu_fabric"] and report["drained"] == [], proc.stderr
+    assert [c for c in map(json.loads, host.systemctl_log.read_text().splitlines())
+            if c[0] in ("stop", "start", "restart")] == []
+    host.set_units({UNIT: {"state": "active", "age": 100000},
+                    decode: {"state": "active", "age": 100000},
+                    fm: {"state": "active", "age": 100000}})
+    assert json.loads(host.run("--json").stdout)["drained"] == [decode]
+
+
 def test_cache_filesystem_full(host, engine):
     host.write_config(engine, cache={"path": str(host.cache), "min_free_gib": 10**9})
     proc = host.run()

@@ -57,6 +57,26 @@ def test_ansible_playbook_rerun_changes_nothing_and_restarts_nothing(lab):
         {u: s["main_pid"] for u, s in before.items()}
 
 
+def test_site_yml_runs_unchanged_under_ansible_runner(lab, tmp_path):
+    """AWX and Ansible Automation Platform run playbooks through ansible-runner, with the
+    repository as the project directory (its ansible.cfg read from there): through
+    ansible-runner's Python API, site.yml on the lab inventory succeeds, the smoke test
+    passes, and on the deployment fab deploy made nothing changes (it runs before the tests
+    that change the deployment)."""
+    import ansible_runner
+
+    run = ansible_runner.run(
+        private_data_dir=str(tmp_path), project_dir=str(ROOT), playbook="site.yml",
+        inventory=str(ROOT / "inventories" / "lab"), quiet=True,
+        envvars={"PATH": f"{BIN}:{os.environ['PATH']}"})
+    output = run.stdout.read()
+    assert (run.status, run.rc) == ("successful", 0), output[-4000:]
+    assert run.stats["failures"] == {} and run.stats["changed"] == {}, run.stats
+    assert "lab1" in run.stats["ok"]
+    tasks = {e["event_data"].get("task") for e in run.events if e["event"] == "runner_on_ok"}
+    assert "Smoke | Results" in tasks, sorted(t for t in tasks if t)
+
+
 def test_one_changed_flag_restarts_only_its_unit(lab):
     before = units("h200-pd-1node")
     deployed("h200-pd-1node", "--set", "decode:--max-num-seqs=256")
@@ -71,25 +91,6 @@ def test_without_the_tool_call_parser_the_smoke_test_names_it(lab):
                "--unset", "engines:--enable-auto-tool-choice")
     assert proc.returncode == 1
     assert "tool_call failed" in proc.stdout and "--tool-call-parser glm47" in proc.stdout
-
-
-def test_site_yml_runs_unchanged_under_ansible_runner(lab, tmp_path):
-    """AWX and Ansible Automation Platform run playbooks through ansible-runner, with the
-    repository as the project directory (its ansible.cfg read from there): through
-    ansible-runner's Python API, site.yml on the lab inventory succeeds, the smoke test
-    passes, and after fab deploy nothing changes."""
-    import ansible_runner
-
-    run = ansible_runner.run(
-        private_data_dir=str(tmp_path), project_dir=str(ROOT), playbook="site.yml",
-        inventory=str(ROOT / "inventories" / "lab"), quiet=True,
-        envvars={"PATH": f"{BIN}:{os.environ['PATH']}"})
-    output = run.stdout.read()
-    assert (run.status, run.rc) == ("successful", 0), output[-4000:]
-    assert run.stats["failures"] == {} and run.stats["changed"] == {}, run.stats
-    assert "lab1" in run.stats["ok"]
-    tasks = {e["event_data"].get("task") for e in run.events if e["event"] == "runner_on_ok"}
-    assert "Smoke | Results" in tasks, sorted(t for t in tasks if t)
 
 
 def test_a_killed_engine_is_restarted_and_health_returns_to_green(lab):

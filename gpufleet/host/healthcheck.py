@@ -1704,8 +1704,7 @@ def main(argv=None):
         drain(cfg, state, statuses, held, log)
     if held:  # fab status reads it: the host is sick since the first run that saw it
         since = (state.get("host_fault") or {}).get("since") or time.time()
-        state["host_fault"] = {"checks": held, "since": since,
-                               "drained": state.get("drained") or []}
+        state["host_fault"] = {"checks": held, "since": since}
     else:
         state.pop("host_fault", None)
     if lock is not None:

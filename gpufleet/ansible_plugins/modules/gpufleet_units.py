@@ -34,8 +34,7 @@ units:
 host_fault:
   description: The host checks failing in the health checker's last run that hold the
     engines' restarts (checks, since, updated) and the engine units it stopped (drained),
-    or null when the host is not sick or the
-    checker never ran.
+    or null when the host is not sick or the checker never ran.
   type: dict
   returned: always
 """
@@ -74,7 +73,9 @@ def host_fault(path):
     except (OSError, ValueError):
         return None
     fault = state.get("host_fault") if isinstance(state, dict) else None
-    return dict(fault, updated=state.get("updated")) if isinstance(fault, dict) else None
+    if not isinstance(fault, dict):
+        return None
+    return dict(fault, updated=state.get("updated"), drained=state.get("drained") or [])
 
 
 def main():

@@ -29,6 +29,7 @@ INVENTORY_OVERRIDES = {
     "gpufleet_api_key": "api_key",
     "gpufleet_api_key_file": "api_key_file",
     "gpufleet_replicas": "replicas",
+    "gpufleet_workers": "workers",
     "gpufleet_runtime": "runtime",
     "gpufleet_images": "images",
     "gpufleet_registry_mirror": "registry_mirror",

@@ -66,6 +66,9 @@ class Overrides(BaseModel):
     api_key_file: str | None = None  # on the controller; default: see plan.api_key_path()
     # a single-node target on every host of its group: one independent copy per host
     replicas: bool = False
+    # engine role -> how many workers of it run behind the target's one router (default 1
+    # each): N prefill and M decode, or N workers, across the hosts of their groups
+    workers: dict[str, int] = Field(default_factory=dict)
     # the engine runtime (None: the hosts' vendor decides, catalog `runtimes`), the image
     # each engine runs from instead of the catalog's (engine -> reference), and a registry
     # that serves every image in place of its own (an air-gapped site's mirror)

@@ -68,6 +68,15 @@ def api_key_path(inventory_source: str) -> str:
     return os.path.join(base, "gpufleet", "api-keys", f"{name}-{digest}.key")
 
 
+class Repeat(list):
+    """A flag given once per item: a router's --prefill URL for each prefill worker."""
+
+
+def flag_tokens(flag: str, value: Any) -> list[str]:
+    return [tok for v in (value if isinstance(value, Repeat) else [value])
+            for tok in [flag, *render_value(v)]]
+
+
 def render_value(value: Any) -> list[str]:
     if value is True:
         return []
@@ -182,9 +191,15 @@ def compose(
     problems += managed(catalog, target, topology, ov)
     roles, draft = _layer_options(catalog, target, ov, problems)
     inventory = inventory or inv_mod.placeholder(topology.groups)
-    problems += _check_inventory(target, topology, hardware, inventory, ov.replicas)
+    problems += _check_workers(target, topology, ov)
+    pooled = {s.group for s in topology.processes if s.role in ENGINE_ROLES} if ov.workers \
+        else set()
+    problems += _check_inventory(target, topology, hardware, inventory, ov.replicas, pooled)
     if problems:
         raise PlanError(problems)
+    pool, pool_problems = _pool(topology, hardware, inventory, ov)
+    if pool_problems:
+        raise PlanError(pool_problems)
 
     runtime, image = _runtime(catalog, target, hardware, ov, problems)
     if problems:
@@ -192,7 +207,7 @@ def compose(
     revision = ov.model_revision or model.revision
     cache = _cache(ov, model, draft, revision, catalog)
     processes, fronts = [], []
-    for replica in _place(target, topology, hardware, inventory, ov):
+    for replica in _place(target, topology, hardware, inventory, ov, pool):
         front = _front(replica)
         if ov.api_key:
             replica.append(_gateway(front))
@@ -261,7 +276,36 @@ def _layer_options(catalog, target, ov: Overrides, problems: list[Problem]):
     return roles, draft
 
 
-def _check_inventory(target, topology, hardware, inventory, replicas=False) -> list[Problem]:
+def _check_workers(target, topology, ov: Overrides) -> list[Problem]:
+    """gpufleet_workers: counts of the engine roles a prefill/decode target runs behind its
+    router (whose worker lists take several)."""
+    if not ov.workers:
+        return []
+    roles = [p.role for p in topology.processes]
+    pd = "prefill" in roles and "decode" in roles and "router" in roles
+    if not pd:
+        return [Problem(
+            "workers", f"{target.name} is not a prefill/decode target behind a router, so "
+            "there is no pool to put several workers in",
+            "use gpufleet_replicas for a copy of it on every host, or pick a -pd or "
+            "-disagg target (fab targets)")]
+    problems = []
+    if ov.replicas:
+        problems.append(Problem(
+            "workers", "gpufleet_workers and gpufleet_replicas are both set",
+            "drop gpufleet_replicas: gpufleet_workers puts every worker behind one endpoint"))
+    for role, count in ov.workers.items():
+        if role not in ("prefill", "decode"):
+            problems.append(Problem(
+                f"workers.{role}", f"{target.name} has no {role!r} pool",
+                "count prefill and decode workers"))
+        elif count < 1:
+            problems.append(Problem(f"workers.{role}", f"{count} workers", "give 1 or more"))
+    return problems
+
+
+def _check_inventory(target, topology, hardware, inventory, replicas=False,
+                     pooled=frozenset()) -> list[Problem]:
     problems = []
     if replicas and list(topology.groups.values()) != [1]:
         problems.append(Problem(
@@ -271,7 +315,8 @@ def _check_inventory(target, topology, hardware, inventory, replicas=False) -> l
         replicas = False
     for group, count in topology.groups.items():
         hosts = inventory.group(group)
-        if len(hosts) != count and not (replicas and hosts):  # replicas: a copy per host
+        # replicas: a copy per host; pooled: the workers decide (_pool)
+        if len(hosts) != count and not ((replicas or group in pooled) and hosts):
             single = list(topology.groups.values()) == [1] and len(hosts) > 1
             problems.append(Problem(
                 f"inventory.{group}",
@@ -292,19 +337,100 @@ def _check_inventory(target, topology, hardware, inventory, replicas=False) -> l
     return problems
 
 
-def _place(target, topology, hardware, inventory, ov: Overrides) -> list[list[Process]]:
+def _place(target, topology, hardware, inventory, ov: Overrides,
+           pool: dict | None = None) -> list[list[Process]]:
     """The processes of each copy: one list, or one per host with replicas."""
     if ov.replicas and list(topology.groups.values()) == [1]:
         (group,) = topology.groups
         return [_place_one(target, topology, hardware, inventory, ov, {group: [host]})
                 for host in inventory.group(group)]
-    return [_place_one(target, topology, hardware, inventory, ov, None)]
+    return [_place_one(target, topology, hardware, inventory, ov, None, pool)]
+
+
+def _role_gpus(spec, hardware, ov: Overrides) -> list[int]:
+    if spec.role in ov.gpus:
+        return list(ov.gpus[spec.role])
+    if spec.gpus == "all":
+        return list(range(hardware.gpus_per_node))
+    return list(spec.gpus or [])
+
+
+def _take(free: list[int], wanted: list[int], gpus_per_node: int) -> list[int] | None:
+    """GPUs for one worker from a host's free ones: the role's own where they are free,
+    else the first free block of the same width aligned to it; None when none is."""
+    width = len(wanted)
+    blocks = [wanted] + [list(range(s, s + width))
+                         for s in range(0, gpus_per_node - width + 1, width or 1)]
+    for block in blocks:
+        if width and set(block) <= set(free):
+            for g in block:
+                free.remove(g)
+            return block
+    return None
+
+
+def _pool(topology, hardware, inventory, ov: Overrides):
+    """Where each prefill and decode worker runs when gpufleet_workers counts them: host by
+    host of its group, every host taking one worker of each role in turn while its GPUs
+    last (a single-node layout keeps a prefill and a decode together), on the role's own
+    GPUs where free, else the first free aligned block. Returns ({role: [(host, gpus)]},
+    problems): a count that does not fit, or a host left without a worker."""
+    if not ov.workers:
+        return {}, []
+    specs = [s for s in topology.processes if s.role in ENGINE_ROLES]
+    want = {s.role: ov.workers.get(s.role, 1) for s in specs}
+    placed: dict[str, list] = {s.role: [] for s in specs}
+    free: dict[str, list[int]] = {}
+    problems = []
+    for group in dict.fromkeys(s.group for s in specs):
+        hosts = inventory.group(group)
+        mine = [s for s in specs if s.group == group]
+        progress = True
+        while progress and any(len(placed[s.role]) < want[s.role] for s in mine):
+            progress = False
+            for host in hosts:
+                left = free.setdefault(host.name, list(range(hardware.gpus_per_node)))
+                for s in mine:
+                    if len(placed[s.role]) < want[s.role]:
+                        gpus = _take(left, _role_gpus(s, hardware, ov), hardware.gpus_per_node)
+                        if gpus is not None:
+                            placed[s.role].append((host, gpus))
+                            progress = True
+        for s in mine:
+            if len(placed[s.role]) < want[s.role]:
+                width = len(_role_gpus(s, hardware, ov))
+                problems.append(Problem(
+                    f"workers.{s.role}",
+                    f"{want[s.role]} {s.role} workers of {width} GPUs each do not fit on the "
+                    f"{len(hosts)} host(s) of [{group}] ({hardware.gpus_per_node} GPUs each; "
+                    f"{len(placed[s.role])} fit)",
+                    f"add hosts to [{group}] or lower gpufleet_workers.{s.role}"))
+        idle = [h.name for h in hosts if not any(h is host for s in mine
+                                                 for host, _ in placed[s.role])]
+        if idle and not problems:
+            problems.append(Problem(
+                f"inventory.{group}", f"{', '.join(idle)} would run no worker",
+                f"remove them from [{group}] or raise gpufleet_workers"))
+    return placed, problems
 
 
 def _place_one(target, topology, hardware, inventory, ov: Overrides,
-               only: dict | None) -> list[Process]:
+               only: dict | None, pool: dict | None = None) -> list[Process]:
     processes: list[Process] = []
     for spec in topology.processes:
+        if pool and spec.role in pool:
+            workers = pool[spec.role]
+            for i, (host, gpus) in enumerate(workers):
+                # the k-th worker of a role on a host: its ports shifted by 100 x k
+                k = sum(1 for q in processes if q.role == spec.role and q.host == host.name)
+                ports = {n: v + 100 * k
+                         for n, v in {**spec.ports, **ov.ports.get(spec.role, {})}.items()}
+                processes.append(Process(
+                    name=spec.role if len(workers) == 1 else f"{spec.role}-{i}",
+                    role=spec.role, host=host.name, address=host.address, argv=[], env={},
+                    unit="", ports=ports, gpus=gpus, order=START_ORDER[spec.role],
+                    readiness={}, node_rank=0))
+            continue
         hosts = only[spec.group] if only else inventory.group(spec.group)
         placed = hosts if spec.each else hosts[:1]
         for rank, host in enumerate(placed):
@@ -388,6 +514,7 @@ def _runtime(catalog, target, hardware, ov: Overrides,
 def _render(processes, roles, target, model, draft, engine, catalog, cache, ov,
             in_image: bool = False) -> None:
     by_role = {p.role: p for p in processes}
+    pools = {role: [p for p in processes if p.role == role] for role in ("prefill", "decode")}
     firsts = {}
     for p in processes:
         firsts.setdefault(p.role, p)
@@ -409,6 +536,12 @@ def _render(processes, roles, target, model, draft, engine, catalog, cache, ov,
         ctx["first"] = SimpleNamespace(address=first.address,
                                        ports=SimpleNamespace(**first.ports))
         p.args = {flag: _fmt(value, ctx) for flag, value in args.items()}
+        if p.role == "router":  # a flag naming a pool: once per worker of it
+            for flag, value in args.items():
+                for role, workers in pools.items():
+                    if len(workers) > 1 and "{" + role + "." in json.dumps(value):
+                        p.args[flag] = Repeat(_fmt(value, {**ctx, role: _ns(w, p)})
+                                              for w in workers)
         p.env = {k: str(_fmt(v, ctx)) for k, v in env.items()}
         if p.gpus:
             var = "CUDA_VISIBLE_DEVICES" if catalog.hardware[target.hardware].vendor == \
@@ -424,7 +557,7 @@ def _render(processes, roles, target, model, draft, engine, catalog, cache, ov,
         else:
             prefix[0] = f"{source.venv.rstrip('/')}/{prefix[0]}"
         p.argv = prefix + [tok for flag, value in p.args.items()
-                           for tok in [flag, *render_value(value)]]
+                           for tok in flag_tokens(flag, value)]
         p.readiness = _readiness(p, target, model)
 
 

@@ -1,0 +1,124 @@
+"""gpufleet_workers: N prefill and M decode workers behind one router and one endpoint."""
+
+from __future__ import annotations
+
+import pytest
+
+from gpufleet import inventory as inv_mod
+from gpufleet.model import PlanError
+from gpufleet.plan import make_plan
+
+
+def hosts(**groups: int) -> inv_mod.Inventory:
+    members, all_hosts = {}, {}
+    for group, count in groups.items():
+        members[group] = []
+        for i in range(1, count + 1):
+            name = f"{group}-{i}"
+            all_hosts[name] = inv_mod.Host(name, f"10.9.{len(all_hosts)}.{i}")
+            members[group].append(name)
+    return inv_mod.Inventory(hosts=all_hosts, groups=members, source="test")
+
+
+def flag_values(argv: list[str], flag: str) -> list[list[str]]:
+    """The values each occurrence of flag takes (up to the next flag)."""
+    out = []
+    for i, tok in enumerate(argv):
+        if tok == flag:
+            vals = []
+            for nxt in argv[i + 1:]:
+                if nxt.startswith("--"):
+                    break
+                vals.append(nxt)
+            out.append(vals)
+    return out
+
+
+def placed(plan) -> dict[str, tuple[str, list[int], dict]]:
+    return {p.name: (p.host, p.gpus, p.ports) for p in plan.processes if p.is_engine}
+
+
+def test_vllm_two_prefill_two_decode_behind_one_router():
+    plan = make_plan("h200-pd-1node", hosts(workers=2),
+                     {"workers": {"prefill": 2, "decode": 2}})
+    # host by host, a prefill and a decode each, on the single-node layout's GPUs
+    assert placed(plan) == {
+        "prefill-0": ("workers-1", [0, 1, 2, 3], {"http": 8001, "nixl": 5557}),
+        "prefill-1": ("workers-2", [0, 1, 2, 3], {"http": 8001, "nixl": 5557}),
+        "decode-0": ("workers-1", [4, 5, 6, 7], {"http": 8002, "nixl": 5558}),
+        "decode-1": ("workers-2", [4, 5, 6, 7], {"http": 8002, "nixl": 5558})}
+    (router,) = plan.by_role("router")
+    assert flag_values(router.argv, "--prefill") == [["http://10.9.0.1:8001"],
+                                                      ["http://10.9.1.2:8001"]]
+    assert flag_values(router.argv, "--decode") == [["http://10.9.0.1:8002"],
+                                                     ["http://10.9.1.2:8002"]]
+    assert [p.role for p in plan.processes].count("gateway") == 1
+    assert plan.endpoints == [plan.endpoint] == ["http://10.9.0.1:8000/v1"]
+    # KV moves between hosts now: both need RDMA, the engines listen on their address
+    assert all(h.rdma for h in plan.hosts.values())
+    assert {p.bind for p in plan.engines} == {"10.9.0.1", "10.9.1.2"}
+    assert {p.unit for p in plan.engines} == {
+        "gpufleet-prefill-0.service", "gpufleet-prefill-1.service",
+        "gpufleet-decode-0.service", "gpufleet-decode-1.service"}
+
+
+def test_two_workers_of_a_role_on_one_host_get_their_own_ports():
+    plan = make_plan("h200-pd-1node", hosts(workers=2),
+                     {"workers": {"prefill": 3, "decode": 1}})
+    got = placed(plan)
+    assert got["prefill-2"] == ("workers-2", [4, 5, 6, 7], {"http": 8101, "nixl": 5657})
+    prefill2 = next(p for p in plan.engines if p.name == "prefill-2")
+    assert prefill2.env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5657"
+    assert "--port" in prefill2.argv and prefill2.argv[prefill2.argv.index("--port") + 1] == \
+        "8101"
+    assert got["decode"] == ("workers-1", [4, 5, 6, 7], {"http": 8002, "nixl": 5558})
+
+
+def test_sglang_pd_router_lists_each_prefill_with_its_bootstrap_port():
+    plan = make_plan("sglang-h200-pd", hosts(prefill=2, decode=2),
+                     {"workers": {"prefill": 2, "decode": 2}})
+    (router,) = plan.by_role("router")
+    assert flag_values(router.argv, "--prefill") == [["http://10.9.0.1:30000", "8998"],
+                                                      ["http://10.9.1.2:30000", "8998"]]
+    assert len(flag_values(router.argv, "--decode")) == 2
+
+
+def test_dynamo_workers_are_found_by_discovery_not_listed():
+    plan = make_plan("h200-disagg", hosts(prefill=2, decode=3),
+                     {"workers": {"prefill": 2, "decode": 3}})
+    assert len(plan.by_role("prefill")) == 2 and len(plan.by_role("decode")) == 3
+    (router,) = plan.by_role("router")
+    assert "--router-mode" in router.argv and "--prefill" not in router.argv
+
+
+def test_without_workers_the_plan_is_unchanged():
+    plain = make_plan("h200-pd-1node", hosts(workers=1))
+    ones = make_plan("h200-pd-1node", hosts(workers=1), {"workers": {"prefill": 1}})
+    assert [(p.name, p.argv, p.env) for p in plain.processes] == \
+        [(p.name, p.argv, p.env) for p in ones.processes]
+
+
+@pytest.mark.parametrize("target, inventory, workers, field, words", [
+    ("h200-pd-1node", {"workers": 1}, {"prefill": 2, "decode": 2}, "workers.prefill",
+     "2 prefill workers of 4 GPUs each do not fit on the 1 host(s) of [workers]"),
+    ("h200-pd-1node", {"workers": 3}, {"prefill": 2, "decode": 2}, "inventory.workers",
+     "workers-3 would run no worker"),
+    ("h200-pd-1node", {"workers": 2}, {"router": 2}, "workers.router",
+     "has no 'router' pool"),
+    ("h200-pd-1node", {"workers": 2}, {"prefill": 0}, "workers.prefill", "0 workers"),
+    ("sglang-h200-balanced", {"workers": 1}, {"worker": 2}, "workers",
+     "not a prefill/decode target behind a router"),
+])
+def test_counts_that_do_not_fit_are_refused_naming_the_fix(target, inventory, workers, field,
+                                                            words):
+    with pytest.raises(PlanError) as err:
+        make_plan(target, hosts(**inventory), {"workers": workers})
+    problems = {p.field: p for p in err.value.problems}
+    assert field in problems and words in problems[field].message, err.value
+    assert problems[field].fix
+
+
+def test_workers_and_replicas_together_are_refused():
+    with pytest.raises(PlanError, match="gpufleet_workers and gpufleet_replicas are both set"):
+        make_plan("h200-pd-1node", hosts(workers=2),
+                  {"workers": {"prefill": 2, "decode": 2}, "replicas": True})

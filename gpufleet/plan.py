@@ -269,6 +269,9 @@ def _layer_options(catalog, target, ov: Overrides, problems: list[Problem]):
         roles = cat.merge_keep_nulls(roles, {k: v.model_dump() for k, v in option.roles.items()})
         if option.draft_model:
             draft = catalog.models[option.draft_model]
+    if any(count > 1 for count in ov.workers.values()):  # a pool: its router's own flags
+        pool_args = catalog.engines[target.engine].pool_router_args
+        roles = cat.merge_keep_nulls(roles, {"router": {"args": pool_args}})
     for role, flags in ov.args.items():
         roles = cat.merge_keep_nulls(roles, {role: {"args": flags}})
     for role, env in ov.env.items():
@@ -426,7 +429,8 @@ def _place_one(target, topology, hardware, inventory, ov: Overrides,
                 ports = {n: v + 100 * k
                          for n, v in {**spec.ports, **ov.ports.get(spec.role, {})}.items()}
                 processes.append(Process(
-                    name=spec.role if len(workers) == 1 else f"{spec.role}-{i}",
+                    # the first keeps the role's name: scaling to 1 and back changes no unit
+                    name=spec.role if i == 0 else f"{spec.role}-{i}",
                     role=spec.role, host=host.name, address=host.address, argv=[], env={},
                     unit="", ports=ports, gpus=gpus, order=START_ORDER[spec.role],
                     readiness={}, node_rank=0))

@@ -160,6 +160,8 @@ class Engine(_Strict):
     disable_services: list[str] = Field(default_factory=list)  # what those packages start
     managed: dict[str, Managed] = Field(default_factory=dict)  # program key -> managed
     limits: dict[str, Limits] = Field(default_factory=dict)  # program key -> limits
+    # the router's flags when a role runs several workers (gpufleet_workers)
+    pool_router_args: dict[str, Any] = Field(default_factory=dict)
 
 
 class TopologyProcess(_Strict):

@@ -26,7 +26,9 @@ def faulted(_lab_session):
 # with FlashInfer below the floor, or with a flashinfer-cubin companion at another version.
 @pytest.mark.parametrize("fault,found", [
     ("flashinfer-old", "flashinfer-python 0.6.16."),
-    ("flashinfer-split", "flashinfer-python 0.7.2.post1, flashinfer-cubin 0.6.16."),
+    # slow: the same refusal of the same check; the unit tests cover the split's reading
+    pytest.param("flashinfer-split", "flashinfer-python 0.7.2.post1, flashinfer-cubin 0.6.16.",
+                 marks=pytest.mark.slow),
 ])
 def test_a_stale_flashinfer_is_refused_by_the_engine_runtime(faulted, fault, found):
     faulted(fault)

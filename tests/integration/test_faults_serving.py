@@ -281,6 +281,7 @@ def test_a_deploy_killed_at_every_play_boundary_then_rerun_converges(endpoint):
     assert recap(again.stdout)["lab1"]["changed"] == 0, changed_tasks(again.stdout, "lab1")
 
 
+@pytest.mark.slow
 def test_a_change_written_but_not_applied_by_a_killed_deploy_is_applied_by_the_rerun(endpoint):
     flag = ["--set", "decode:--max-num-seqs=128"]
     deploy_killed_at("TASK [serve : Serve | Configure | Read the pending restarts]", *flag)

@@ -25,6 +25,7 @@ def from_lab1(address: str, port: int) -> bool:
     return ssh("lab1", probe).strip() == "0"
 
 
+@pytest.mark.slow  # two deploys of their own, nearly 3 minutes
 def test_the_firewall_lets_clients_reach_the_api_and_only_peers_the_engines(lab, tmp_path):
     inv = lab_inventory(tmp_path, {"gpufleet_firewall": True})
     proc = fab("deploy", "--target", TARGET, "-i", inv)

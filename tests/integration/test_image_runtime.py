@@ -103,7 +103,9 @@ def test_a_rerun_changes_nothing_and_restarts_nothing(deployed):
     assert {h: main_pids(h) for h in HOSTS} == before
 
 
-@pytest.mark.parametrize("case", ["image-absent", "flashinfer-old"])
+# slow: image-absent (an unpullable reference); flashinfer-old runs in every run
+@pytest.mark.parametrize("case", [pytest.param("image-absent", marks=pytest.mark.slow),
+                                  "flashinfer-old"])
 def test_a_bad_image_is_refused_before_any_unit_changes(deployed, case):
     before = {h: main_pids(h) for h in HOSTS}
     if case == "image-absent":

@@ -43,9 +43,9 @@ def test_vllm_two_prefill_two_decode_behind_one_router():
                      {"workers": {"prefill": 2, "decode": 2}})
     # host by host, a prefill and a decode each, on the single-node layout's GPUs
     assert placed(plan) == {
-        "prefill-0": ("workers-1", [0, 1, 2, 3], {"http": 8001, "nixl": 5557}),
+        "prefill": ("workers-1", [0, 1, 2, 3], {"http": 8001, "nixl": 5557}),
         "prefill-1": ("workers-2", [0, 1, 2, 3], {"http": 8001, "nixl": 5557}),
-        "decode-0": ("workers-1", [4, 5, 6, 7], {"http": 8002, "nixl": 5558}),
+        "decode": ("workers-1", [4, 5, 6, 7], {"http": 8002, "nixl": 5558}),
         "decode-1": ("workers-2", [4, 5, 6, 7], {"http": 8002, "nixl": 5558})}
     (router,) = plan.by_role("router")
     assert flag_values(router.argv, "--prefill") == [["http://10.9.0.1:8001"],
@@ -58,8 +58,22 @@ def test_vllm_two_prefill_two_decode_behind_one_router():
     assert all(h.rdma for h in plan.hosts.values())
     assert {p.bind for p in plan.engines} == {"10.9.0.1", "10.9.1.2"}
     assert {p.unit for p in plan.engines} == {
-        "gpufleet-prefill-0.service", "gpufleet-prefill-1.service",
-        "gpufleet-decode-0.service", "gpufleet-decode-1.service"}
+        "gpufleet-prefill.service", "gpufleet-prefill-1.service",
+        "gpufleet-decode.service", "gpufleet-decode-1.service"}
+    # a dead worker leaves the pool within seconds, not the router's default minutes
+    assert flag_values(router.argv, "--health-check-interval-secs") == [["2"]]
+    assert flag_values(router.argv, "--health-failure-threshold") == [["2"]]
+
+
+def test_the_pool_health_flags_come_with_a_pool_and_yield_to_an_override():
+    (one,) = make_plan("sglang-h200-pd", hosts(prefill=1, decode=1)).by_role("router")
+    assert "--health-check-interval-secs" not in one.argv
+    (pool,) = make_plan("sglang-h200-pd", hosts(prefill=1, decode=2),
+                        {"workers": {"decode": 2},
+                         "args": {"router": {"--health-check-interval-secs": 5}}}
+                        ).by_role("router")
+    assert flag_values(pool.argv, "--health-check-interval-secs") == [["5"]]
+    assert flag_values(pool.argv, "--health-check-timeout-secs") == [["2"]]
 
 
 def test_two_workers_of_a_role_on_one_host_get_their_own_ports():

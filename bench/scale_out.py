@@ -1,0 +1,120 @@
+#!/usr/bin/env python3
+"""Steady load through one endpoint of a gpufleet_workers deployment while its workers are
+restarted or one of its hosts is lost. Prints one JSON document.
+
+    python3 bench/scale_out.py -i INVENTORY [--concurrency 4] [--seconds 40] \\
+        [--restart-role decode] [--lose-host lab2]
+
+The load: CONCURRENCY clients, each sending one chat request after the other (8 tokens,
+no retries, the official openai client) for SECONDS. Once the load has run 5 s, either
+`fab restart --role ROLE -i INVENTORY` runs (a rolling restart), or every prefill and decode
+unit of HOST is killed with SIGKILL and kept stopped (a host cut off; started again at the
+end). Reported: requests, failed ones, the failure rate, the seconds from the event to
+the last failure (how long until the router routed around it), requests per second.
+Runs on the controller (the lab's, or a site's with ssh access to its hosts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+from openai import OpenAI
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FAB = os.path.join(os.path.dirname(sys.executable), "fab")
+
+
+def endpoint(inventory: str) -> dict:
+    out = subprocess.run([FAB, "endpoint", "-i", inventory, "--format", "env"], cwd=ROOT,
+                         capture_output=True, text=True, check=True).stdout
+    return dict(line.split("=", 1) for line in out.split())
+
+
+def model(inventory: str) -> str:
+    out = subprocess.run([FAB, "plan", "-i", inventory, "--format", "json"], cwd=ROOT,
+                         capture_output=True, text=True, check=True).stdout
+    return json.loads(out)["model"]["served_name"]
+
+
+def ssh(host: str, command: str) -> str:
+    sys.path.insert(0, os.path.join(ROOT, "lab"))
+    try:
+        from gpufleet_lab import hosts  # the lab's ssh config where there is a lab
+        argv = hosts.ssh_cmd(host, command)
+    except ImportError:
+        argv = ["ssh", host, command]
+    return subprocess.run(argv, check=True, capture_output=True, text=True,
+                          timeout=120).stdout
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("-i", "--inventory", required=True)
+    p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--seconds", type=float, default=40)
+    event = p.add_mutually_exclusive_group(required=True)
+    event.add_argument("--restart-role")
+    event.add_argument("--lose-host")
+    args = p.parse_args()
+
+    env, name = endpoint(args.inventory), model(args.inventory)
+    client = OpenAI(base_url=env["OPENAI_BASE_URL"], api_key=env["OPENAI_API_KEY"],
+                    max_retries=0, timeout=60)
+    results: list[tuple[float, bool]] = []  # (seconds since the start, ok)
+    lock, start = threading.Lock(), time.monotonic()
+
+    def load(k: int) -> None:
+        i = 0
+        while time.monotonic() - start < args.seconds:
+            try:
+                client.chat.completions.create(
+                    model=name, max_tokens=8,
+                    messages=[{"role": "user", "content": f"client {k} request {i}"}])
+                ok = True
+            except Exception:  # any error is a failed request
+                ok = False
+            with lock:
+                results.append((time.monotonic() - start, ok))
+            i += 1
+
+    threads = [threading.Thread(target=load, args=(k,)) for k in range(args.concurrency)]
+    for t in threads:
+        t.start()
+    time.sleep(5)
+    at = time.monotonic() - start
+    if args.restart_role:
+        done = subprocess.run([FAB, "restart", "--role", args.restart_role, "-i",
+                               args.inventory], cwd=ROOT, capture_output=True, text=True)
+        if done.returncode:
+            print(done.stdout[-2000:], done.stderr[-2000:], file=sys.stderr)
+        what = f"fab restart --role {args.restart_role} (rc {done.returncode}, " \
+               f"{time.monotonic() - start - at:.1f} s)"
+    else:
+        units = " ".join(ssh(args.lose_host, "systemctl list-units --plain --no-legend "
+                             "'gpufleet-prefill*.service' 'gpufleet-decode*.service'"
+                             " | cut -d' ' -f1").split())
+        ssh(args.lose_host, f"systemctl kill --signal=KILL {units}; systemctl stop {units}")
+        what = f"every prefill and decode unit of {args.lose_host} killed (SIGKILL)"
+    for t in threads:
+        t.join()
+    if args.lose_host:
+        ssh(args.lose_host, f"systemctl start {units}")
+    failed = [t for t, ok in results if not ok]
+    print(json.dumps({
+        "event": what, "event_at_s": round(at, 1), "seconds": args.seconds,
+        "concurrency": args.concurrency, "requests": len(results), "failed": len(failed),
+        "failed_pct": round(100 * len(failed) / max(len(results), 1), 2),
+        "last_failure_after_event_s": round(max(failed) - at, 1) if failed else None,
+        "requests_per_s": round(len(results) / args.seconds, 1),
+    }, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

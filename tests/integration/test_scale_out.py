@@ -1,0 +1,139 @@
+"""gpufleet_workers on the lab: two prefill and two decode workers over lab1 and lab2 behind
+the real vllm-router and one endpoint; every worker takes requests, a killed one leaves the
+pool within seconds, a lower count stops exactly the workers it drops."""
+
+from __future__ import annotations
+
+import re
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+from labutil import fab, lab_inventory, ssh
+from openai import OpenAI
+
+from gpufleet_lab import net
+
+TARGET = "h200-pd-1node"
+ADDRESS = {f"lab{i}": net.host_address(i) for i in (1, 2)}
+# where each worker runs and its HTTP port (the plan's placement: host by host)
+WORKERS = {"prefill": ("lab1", 8001), "decode": ("lab1", 8002),
+           "prefill-1": ("lab2", 8001), "decode-1": ("lab2", 8002)}
+
+
+def inventory(tmp_path, workers: dict) -> str:
+    return lab_inventory(tmp_path, {"gpufleet_target": TARGET, "gpufleet_workers": workers},
+                         groups={"workers": ["lab1", "lab2"]})
+
+
+def served(worker: str) -> float:
+    """Requests the worker finished (vllm:request_success_total, every reason)."""
+    host, port = WORKERS[worker]
+    with urllib.request.urlopen(f"http://{ADDRESS[host]}:{port}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    return sum(float(v) for v in
+               re.findall(r"^vllm:request_success_total\{.*\} (\S+)$", text, re.M))
+
+
+def main_pids(host: str) -> dict[str, str]:
+    out = ssh(host, "systemctl show -p Id -p MainPID 'gpufleet-*.service'", check=True)
+    pids = {}
+    for block in out.strip().split("\n\n"):
+        fields = dict(line.split("=", 1) for line in block.splitlines() if "=" in line)
+        if fields.get("MainPID", "0") != "0":
+            pids[fields["Id"]] = fields["MainPID"]
+    return pids
+
+
+@pytest.fixture(scope="module")
+def pool(lab, tmp_path_factory):
+    """The 2P2D deployment; the module tears it down at its end."""
+    tmp = tmp_path_factory.mktemp("pool")
+    inv = inventory(tmp, {"prefill": 2, "decode": 2})
+    proc = fab("deploy", "-i", inv)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    out = fab("endpoint", "-i", inv, "--format", "env")
+    assert out.returncode == 0, out.stderr
+    env = dict(line.split("=", 1) for line in out.stdout.split())
+    client = OpenAI(base_url=env["OPENAI_BASE_URL"], api_key=env["OPENAI_API_KEY"],
+                    max_retries=0, timeout=30)
+    yield inv, client
+    down = fab("teardown", "-i", inv)
+    assert down.returncode == 0, down.stdout[-3000:]
+
+
+def ask(client, i: int) -> bool:
+    try:
+        client.chat.completions.create(model="zai-org/GLM-5.3-Flash", max_tokens=8,
+                                       messages=[{"role": "user", "content": f"hi {i}"}])
+        return True
+    except Exception:  # an error of any kind is a failed request
+        return False
+
+
+def test_one_endpoint_spreads_requests_over_every_worker(pool):
+    _, client = pool
+    for host, units in (("lab1", ["prefill", "decode", "router", "gateway"]),
+                        ("lab2", ["prefill-1", "decode-1"])):
+        for unit in units:
+            assert ssh(host, f"systemctl is-active gpufleet-{unit}.service").strip() == \
+                "active", f"{host}: gpufleet-{unit}.service"
+    before = {w: served(w) for w in WORKERS}
+    assert all(ask(client, i) for i in range(8))
+    after = {w: served(w) for w in WORKERS}
+    # round robin: each prefill and each decode finished some of the 8
+    assert all(after[w] > before[w] for w in WORKERS), (before, after)
+
+
+def test_a_killed_decode_worker_leaves_the_pool_within_seconds(pool):
+    _, client = pool
+    ssh("lab2", "systemctl kill --signal=KILL gpufleet-decode-1.service;"
+                " systemctl stop gpufleet-decode-1.service", check=True)
+    killed = time.monotonic()
+    failed_at = []
+    i = 0
+    while time.monotonic() - killed < 15:
+        if not ask(client, i):
+            failed_at.append(time.monotonic() - killed)
+        i += 1
+        time.sleep(0.1)
+    # out of the pool: the router's health check (every 2 s, 2 misses) stops sending there
+    print(f"decode-1 killed: {len(failed_at)} of {i} requests failed"
+          + (f", the last {failed_at[-1]:.1f} s after the kill" if failed_at else ""))
+    assert not failed_at or failed_at[-1] < 10, \
+        f"{len(failed_at)} of {i} failed, the last {failed_at[-1]:.1f} s after the kill"
+    ssh("lab2", "systemctl start gpufleet-decode-1.service", check=True)
+    # back in the pool once it answers the router's health check again
+    deadline = time.monotonic() + 90
+    before = None
+    while before is None and time.monotonic() < deadline:
+        try:
+            before = served("decode-1")
+        except OSError:  # still loading
+            time.sleep(1)
+    while time.monotonic() < deadline and served("decode-1") <= before:
+        ask(client, 0)
+    assert served("decode-1") > before, "the restarted decode-1 got no request back"
+
+
+def test_a_lower_count_stops_exactly_the_dropped_workers(pool):
+    inv, client = pool
+    kept = {h: main_pids(h) for h in ADDRESS}
+    # the same inventory with a lower count (its own API key stays)
+    all_yml = Path(inv) / "group_vars" / "all.yml"
+    values = yaml.safe_load(all_yml.read_text())
+    all_yml.write_text(yaml.safe_dump({**values, "gpufleet_workers": {"prefill": 1, "decode": 2}}))
+    proc = fab("deploy", "-i", inv)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    now = {h: main_pids(h) for h in ADDRESS}
+    assert "gpufleet-prefill-1.service" not in now["lab2"]
+    assert ssh("lab2", "test -e /etc/systemd/system/gpufleet-prefill-1.service; echo $?")\
+        .strip() == "1"
+    # the workers that stay keep running; the router takes the new list (restarted)
+    for host, unit in (("lab1", "prefill"), ("lab1", "decode"), ("lab2", "decode-1")):
+        u = f"gpufleet-{unit}.service"
+        assert now[host][u] == kept[host][u], f"{u} was restarted"
+    assert now["lab1"]["gpufleet-router.service"] != kept["lab1"]["gpufleet-router.service"]
+    assert all(ask(client, i) for i in range(4))

@@ -17,6 +17,7 @@ Runs on the controller (the lab's, or a site's with ssh access to its hosts).
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import subprocess
@@ -66,7 +67,7 @@ def main() -> int:
     env, name = endpoint(args.inventory), model(args.inventory)
     client = OpenAI(base_url=env["OPENAI_BASE_URL"], api_key=env["OPENAI_API_KEY"],
                     max_retries=0, timeout=60)
-    results: list[tuple[float, bool]] = []  # (seconds since the start, ok)
+    results: list[tuple[float, str]] = []  # (seconds since the start, "" or the error)
     lock, start = threading.Lock(), time.monotonic()
 
     def load(k: int) -> None:
@@ -76,11 +77,11 @@ def main() -> int:
                 client.chat.completions.create(
                     model=name, max_tokens=8,
                     messages=[{"role": "user", "content": f"client {k} request {i}"}])
-                ok = True
-            except Exception:  # any error is a failed request
-                ok = False
+                error = ""
+            except Exception as exc:  # any error is a failed request
+                error = f"{type(exc).__name__}: {str(exc)[:120]}"
             with lock:
-                results.append((time.monotonic() - start, ok))
+                results.append((time.monotonic() - start, error))
             i += 1
 
     threads = [threading.Thread(target=load, args=(k,)) for k in range(args.concurrency)]
@@ -105,13 +106,16 @@ def main() -> int:
         t.join()
     if args.lose_host:
         ssh(args.lose_host, f"systemctl start {units}")
-    failed = [t for t, ok in results if not ok]
+    failed = [t for t, error in results if error]
+    errors = collections.Counter(error for _, error in results if error)
     print(json.dumps({
         "event": what, "event_at_s": round(at, 1), "seconds": args.seconds,
         "concurrency": args.concurrency, "requests": len(results), "failed": len(failed),
         "failed_pct": round(100 * len(failed) / max(len(results), 1), 2),
         "last_failure_after_event_s": round(max(failed) - at, 1) if failed else None,
         "requests_per_s": round(len(results) / args.seconds, 1),
+        "failed_after_event_s": [round(t - at, 1) for t in failed[:20]],
+        "errors": dict(errors.most_common(5)),
     }, indent=2))
     return 0
 

@@ -42,6 +42,7 @@ from .model import (  # noqa: F401 (the planner's public names, as before the mo
 from .overrides import managed
 
 GATEWAY_CONF_DIR = "/etc/gpufleet/gateway"
+GATEWAY_RETRIES = 4  # a pool's failed request is sent again 4 times: five tries
 # image runtime: where the host keeps 002's sitecustomize overlay, mounted read-only at the
 # same path in the engine containers and put first on their PYTHONPATH
 OVERLAY_DIR = "/etc/gpufleet/overlay"
@@ -270,8 +271,8 @@ def _layer_options(catalog, target, ov: Overrides, problems: list[Problem]):
         if option.draft_model:
             draft = catalog.models[option.draft_model]
     if any(count > 1 for count in ov.workers.values()):  # a pool: its router's own flags
-        pool_args = catalog.engines[target.engine].pool_router_args
-        roles = cat.merge_keep_nulls(roles, {"router": {"args": pool_args}})
+        for role, args in catalog.engines[target.engine].pool_args.items():
+            roles = cat.merge_keep_nulls(roles, {role: {"args": args}})
     for role, flags in ov.args.items():
         roles = cat.merge_keep_nulls(roles, {role: {"args": flags}})
     for role, env in ov.env.items():
@@ -563,6 +564,8 @@ def _render(processes, roles, target, model, draft, engine, catalog, cache, ov,
         p.argv = prefix + [tok for flag, value in p.args.items()
                            for tok in flag_tokens(flag, value)]
         p.readiness = _readiness(p, target, model)
+        if len(pools.get(p.role, [])) > 1 and engine.pool_rejoin_s:  # back in its pool
+            p.readiness["rejoin_s"] = engine.pool_rejoin_s
 
 
 def _readiness(p: Process, target, model) -> dict:
@@ -613,9 +616,11 @@ def _gateway(front: Process) -> Process:
 def _api(ov: Overrides, inventory) -> dict:
     if not ov.api_key:
         return {"key_required": False}
+    # a pool behind the router: the gateway sends a request the router failed to it again
+    pooled = any(count > 1 for count in ov.workers.values())
     return {"key_required": True,
             "key_file": ov.api_key_file or api_key_path(inventory.source),
-            "gateway_conf_dir": GATEWAY_CONF_DIR}
+            "gateway_conf_dir": GATEWAY_CONF_DIR, "retries": GATEWAY_RETRIES if pooled else 0}
 
 
 def _endpoint(front: Process) -> str:

@@ -160,8 +160,10 @@ class Engine(_Strict):
     disable_services: list[str] = Field(default_factory=list)  # what those packages start
     managed: dict[str, Managed] = Field(default_factory=dict)  # program key -> managed
     limits: dict[str, Limits] = Field(default_factory=dict)  # program key -> limits
-    # the router's flags when a role runs several workers (gpufleet_workers)
-    pool_router_args: dict[str, Any] = Field(default_factory=dict)
+    # with several workers of a role (gpufleet_workers): role (router, engines) -> flags,
+    # and the seconds the router needs to take a worker back once it answers again
+    pool_args: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    pool_rejoin_s: int = 0
 
 
 class TopologyProcess(_Strict):

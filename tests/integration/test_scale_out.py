@@ -5,6 +5,7 @@ pool within seconds, a lower count stops exactly the workers it drops."""
 from __future__ import annotations
 
 import re
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -116,6 +117,42 @@ def test_a_killed_decode_worker_leaves_the_pool_within_seconds(pool):
     while time.monotonic() < deadline and served("decode-1") <= before:
         ask(client, 0)
     assert served("decode-1") > before, "the restarted decode-1 got no request back"
+
+
+def test_a_rolling_restart_under_load_restarts_every_decode_and_loses_almost_nothing(pool):
+    """fab restart --role decode with requests flowing: each decode worker drains (vLLM's
+    --shutdown-timeout), restarts and is back in its router's pool before the next stops;
+    the gateway sends a request the router failed to it again (plan api.retries)."""
+    inv, client = pool
+    before = {h: main_pids(h) for h in ADDRESS}
+    results: list[bool] = []
+    stop = threading.Event()
+
+    def load() -> None:
+        i = 0
+        while not stop.is_set():
+            results.append(ask(client, i))
+            i += 1
+
+    threads = [threading.Thread(target=load) for _ in range(4)]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(2)
+        proc = fab("restart", "--role", "decode", "-i", inv)
+        time.sleep(2)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    after = {h: main_pids(h) for h in ADDRESS}
+    for host, unit in (("lab1", "gpufleet-decode.service"), ("lab2", "gpufleet-decode-1.service")):
+        assert after[host][unit] != before[host][unit], f"{unit} was not restarted"
+    assert after["lab1"]["gpufleet-prefill.service"] == before["lab1"]["gpufleet-prefill.service"]
+    failed = results.count(False)
+    print(f"rolling restart of decode under load: {failed} of {len(results)} requests failed")
+    assert len(results) > 100 and failed <= 0.01 * len(results), (failed, len(results))
 
 
 def test_a_lower_count_stops_exactly_the_dropped_workers(pool):

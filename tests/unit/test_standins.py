@@ -471,3 +471,17 @@ def test_sglang_without_tool_parser_and_metrics_flag(env, start):
     assert choice.finish_reason == "stop" and not choice.message.tool_calls
     assert "</think><tool_call>get_weather<arg_key>city</arg_key>" in choice.message.content
     assert http(server.url + "/metrics")[0] == 404  # SGLang needs --enable-metrics
+
+
+def test_vllm_with_a_shutdown_timeout_drains_then_exits_on_sigterm(env, start):
+    """vLLM's --shutdown-timeout: SIGTERM refuses new work and exits once nothing runs."""
+    server = start(f"vllm serve {FLASH} -tp 4 --port PORT --host 127.0.0.1 "
+                   "--shutdown-timeout 30", env)
+    assert http(server.url + "/v1/completions", {"model": FLASH, "prompt": "hi",
+                                                 "max_tokens": 4})[0] == 200
+    t0 = time.monotonic()
+    server.proc.terminate()
+    assert server.proc.wait(10) == 0
+    assert time.monotonic() - t0 < 5  # nothing in flight: no wait for the 30 s
+    assert "Shutdown requested: waiting up to 30 s for 0 request(s) in flight" in \
+        server.log.read_text()

@@ -115,19 +115,41 @@ def _setup_pd(engine: Engine) -> None:
         _log("INFO", f"bootstrap server started on 0.0.0.0:{port}")
 
 
+def _stop(engine) -> None:
+    """SIGTERM. vLLM with --shutdown-timeout N > 0 refuses new requests (503, /health too)
+    and exits once those in flight are done, or after N s; else (vLLM's default 0,
+    SGLang) it exits at once, aborting them."""
+    grace = float(engine.s.get("--shutdown-timeout") or 0) if engine and engine.vllm else 0
+    if grace <= 0:
+        sys.exit(0)
+    engine.draining = True
+    _log("INFO", f"Shutdown requested: waiting up to {grace:g} s for "
+         f"{engine.metrics.running} request(s) in flight")
+
+    def finish() -> None:
+        end = time.monotonic() + grace
+        while engine.metrics.running and time.monotonic() < end:
+            time.sleep(0.05)
+        os._exit(0)
+
+    threading.Thread(target=finish, daemon=True).start()
+
+
 def run(engine_name: str, args: list[str], version: str) -> int:
     if "-h" in args or "--help" in args:
         return _help(engine_name)
     settings, problems = parse(engine_name, args)
     if problems:
         return _usage_error(engine_name, problems)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    running: dict = {}
+    signal.signal(signal.SIGTERM, lambda *_: _stop(running.get("engine")))
     label = "vLLM API server version" if engine_name == "vllm" else "SGLang version"
     _log("INFO", f"{label} {version} (gpufleet lab stand-in)")
     _log("INFO", f"non-default args: {json.dumps({k: v for k, v in settings.flags.items()})}")
     try:
         facts = run_checks(settings)
         engine = Engine(settings, facts, version)
+        running["engine"] = engine
         _setup_pd(engine)
         server = None
         if engine_name == "sglang":  # SGLang answers /health with 503 while loading

@@ -25,6 +25,7 @@ class Engine:
         self.metrics = Metrics()
         self.ready = False
         self.dead = False
+        self.draining = False  # vLLM --shutdown-timeout: SIGTERM seen, finishing what runs
         self.last_prompt = ""
         self.nixl = None  # pd.Nixl for vLLM + NixlConnector
         self.bootstrap = None  # pd.Bootstrap for an SGLang prefill
@@ -353,7 +354,9 @@ class Handler(BaseHTTPRequestHandler):
         if not self.authorized(path):
             return self.send_json(401, {"error": "Unauthorized"})
         if path.startswith("/health"):
-            return self.send_text(503 if not e.ready or e.dead else 200, "")
+            return self.send_text(503 if not e.ready or e.dead or e.draining else 200, "")
+        if e.draining and method == "POST":  # stopping: new work is refused, not queued
+            return self.send_error_json("The server is shutting down.", 503)
         if not e.ready:
             return self.send_error_json("The server is still starting.", 503)
         handler = ROUTES.get((method, path))

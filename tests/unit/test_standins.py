@@ -9,6 +9,7 @@ import base64
 import importlib.util
 import json
 import os
+import re
 import shlex
 import socket
 import subprocess
@@ -482,6 +483,7 @@ def test_vllm_with_a_shutdown_timeout_drains_then_exits_on_sigterm(env, start):
     t0 = time.monotonic()
     server.proc.terminate()
     assert server.proc.wait(10) == 0
-    assert time.monotonic() - t0 < 5  # nothing in flight: no wait for the 30 s
-    assert "Shutdown requested: waiting up to 30 s for 0 request(s) in flight" in \
-        server.log.read_text()
+    assert time.monotonic() - t0 < 5  # the request was done: no wait for the 30 s
+    # (its count may still hold it: the reply goes out before the count drops)
+    assert re.search(r"Shutdown requested: waiting up to 30 s for [01] request\(s\) in flight",
+                     server.log.read_text())

@@ -29,6 +29,11 @@ from openai import OpenAI
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAB = os.path.join(os.path.dirname(sys.executable), "fab")
+sys.path.insert(0, os.path.join(ROOT, "lab"))
+try:
+    from gpufleet_lab import hosts as lab_hosts  # the lab's ssh config where there is a lab
+except ImportError:
+    lab_hosts = None
 
 
 def endpoint(inventory: str) -> dict:
@@ -44,12 +49,7 @@ def model(inventory: str) -> str:
 
 
 def ssh(host: str, command: str) -> str:
-    sys.path.insert(0, os.path.join(ROOT, "lab"))
-    try:
-        from gpufleet_lab import hosts  # the lab's ssh config where there is a lab
-        argv = hosts.ssh_cmd(host, command)
-    except ImportError:
-        argv = ["ssh", host, command]
+    argv = lab_hosts.ssh_cmd(host, command) if lab_hosts else ["ssh", host, command]
     return subprocess.run(argv, check=True, capture_output=True, text=True,
                           timeout=120).stdout
 

@@ -76,6 +76,11 @@ class Overrides(BaseModel):
     images: dict[str, str] = Field(default_factory=dict)
     registry_mirror: str | None = None
 
+    @property
+    def pooled(self) -> bool:
+        """Several workers of a role behind the router: what its pool settings apply to."""
+        return any(count > 1 for count in self.workers.values())
+
 
 @dataclass
 class Process:

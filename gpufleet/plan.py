@@ -270,7 +270,7 @@ def _layer_options(catalog, target, ov: Overrides, problems: list[Problem]):
         roles = cat.merge_keep_nulls(roles, {k: v.model_dump() for k, v in option.roles.items()})
         if option.draft_model:
             draft = catalog.models[option.draft_model]
-    if any(count > 1 for count in ov.workers.values()):  # a pool: its router's own flags
+    if ov.pooled:  # a pool: its router's and engines' own flags
         for role, args in catalog.engines[target.engine].pool_args.items():
             roles = cat.merge_keep_nulls(roles, {role: {"args": args}})
     for role, flags in ov.args.items():
@@ -422,35 +422,26 @@ def _place_one(target, topology, hardware, inventory, ov: Overrides,
                only: dict | None, pool: dict | None = None) -> list[Process]:
     processes: list[Process] = []
     for spec in topology.processes:
+        # (name, host, GPUs, port shift, node rank) of each process of this spec
         if pool and spec.role in pool:
+            # a pool's workers: the first keeps the role's name (scaling to 1 and back
+            # changes no unit); the k-th of a role on a host has its ports shifted by 100 x k
             workers = pool[spec.role]
-            for i, (host, gpus) in enumerate(workers):
-                # the k-th worker of a role on a host: its ports shifted by 100 x k
-                k = sum(1 for q in processes if q.role == spec.role and q.host == host.name)
-                ports = {n: v + 100 * k
-                         for n, v in {**spec.ports, **ov.ports.get(spec.role, {})}.items()}
-                processes.append(Process(
-                    # the first keeps the role's name: scaling to 1 and back changes no unit
-                    name=spec.role if i == 0 else f"{spec.role}-{i}",
-                    role=spec.role, host=host.name, address=host.address, argv=[], env={},
-                    unit="", ports=ports, gpus=gpus, order=START_ORDER[spec.role],
-                    readiness={}, node_rank=0))
-            continue
-        hosts = only[spec.group] if only else inventory.group(spec.group)
-        placed = hosts if spec.each else hosts[:1]
-        for rank, host in enumerate(placed):
-            if spec.role in ov.gpus:
-                gpus = list(ov.gpus[spec.role])
-            elif spec.gpus == "all":
-                gpus = list(range(hardware.gpus_per_node))
-            else:
-                gpus = list(spec.gpus or [])
-            ports = {**spec.ports, **ov.ports.get(spec.role, {})}
+            seats = [(spec.role if i == 0 else f"{spec.role}-{i}", host, gpus,
+                      sum(h.name == host.name for h, _ in workers[:i]), 0)
+                     for i, (host, gpus) in enumerate(workers)]
+        else:
+            hosts = only[spec.group] if only else inventory.group(spec.group)
+            placed = hosts if spec.each else hosts[:1]
+            seats = [(spec.role if len(placed) == 1 else f"{spec.role}-{rank}", host,
+                      _role_gpus(spec, hardware, ov), 0, rank)
+                     for rank, host in enumerate(placed)]
+        ports = {**spec.ports, **ov.ports.get(spec.role, {})}
+        for name, host, gpus, shift, rank in seats:
             processes.append(Process(
-                name=spec.role if len(placed) == 1 else f"{spec.role}-{rank}",
-                role=spec.role, host=host.name, address=host.address, argv=[], env={},
-                unit="", ports=ports, gpus=gpus, order=START_ORDER[spec.role],
-                readiness={}, node_rank=rank))
+                name=name, role=spec.role, host=host.name, address=host.address, argv=[],
+                env={}, unit="", ports={n: v + 100 * shift for n, v in ports.items()},
+                gpus=gpus, order=START_ORDER[spec.role], readiness={}, node_rank=rank))
     for p in processes:
         p.unit = f"gpufleet-{p.name}.service"
         p.bind = _bind(p, processes)
@@ -617,10 +608,10 @@ def _api(ov: Overrides, inventory) -> dict:
     if not ov.api_key:
         return {"key_required": False}
     # a pool behind the router: the gateway sends a request the router failed to it again
-    pooled = any(count > 1 for count in ov.workers.values())
     return {"key_required": True,
             "key_file": ov.api_key_file or api_key_path(inventory.source),
-            "gateway_conf_dir": GATEWAY_CONF_DIR, "retries": GATEWAY_RETRIES if pooled else 0}
+            "gateway_conf_dir": GATEWAY_CONF_DIR,
+            "retries": GATEWAY_RETRIES if ov.pooled else 0}
 
 
 def _endpoint(front: Process) -> str:

@@ -28,6 +28,22 @@ What the client (huggingface_hub 2.4.0) relies on, and this server provides:
   RevisionNotFound, EntryNotFound) and ``X-Error-Message``; an unknown token gets 401
   "Invalid credentials in Authorization header".
 
+Options for measuring clients (all off by default; the admin endpoints change them while
+the server runs):
+- A rate limit on file bodies (``--rate-limit-mib R``; ``POST /_admin/rate?mib=R&per=P``,
+  ``mib=0`` is none): a token bucket of R MiB/s shared by all connections from one client
+  address (``--rate-limit-per client``, the default: a host's link) or one for each TCP
+  connection (``connection``). Bodies go out in pieces of about R/20, so the rate is
+  smooth, and no idle time is banked, so a short transfer is not faster; cuts still apply.
+- A CDN redirect like the Hub's (``--lfs-redirect``; ``POST /_admin/lfs-redirect?on=1``):
+  resolving an LFS file answers 302 with ``X-Repo-Commit``, ``ETag``, ``X-Linked-Etag``,
+  ``X-Linked-Size`` and an absolute ``Location`` to ``/_cdn/{sha256}?...`` on another host
+  name for this same server (127.0.0.1 and localhost swap; ``--cdn-host`` for others). The
+  ``/_cdn/`` path serves the blob with ranges and never checks a token; each request there
+  that carries an ``Authorization`` header is counted in the stats
+  (``cdn_requests_with_authorization``), so a test can show a client kept its token on the
+  host that issued it. Gated repos check the token on the resolve, before the redirect.
+
 The access log prints method, path (without query) and status only; never headers.
 """
 
@@ -43,6 +59,7 @@ import socket
 import struct
 import sys
 import threading
+import time
 import uuid
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -54,6 +71,7 @@ DATA_DIR = Path(__file__).with_name("hfmirror_data")
 LAST_MODIFIED = "2026-05-01T00:00:00.000Z"
 BLOCK = 1 << 16  # synthetic data is built from 64 KiB blocks
 SEND_CHUNK = 1 << 20
+MIB = 1 << 20
 DTYPE_SIZE = {"BF16": 2, "F32": 4, "F8_E4M3": 1, "U8": 1}
 INVALID_CREDENTIALS = "Invalid credentials in Authorization header"
 
@@ -340,8 +358,9 @@ def build_repo(
 @dataclass
 class Cut:
     """Cut GETs of files matching ``glob`` (matched against ``repo_id/path``) at file offset
-    ``after_bytes``: the first ``times`` matching GETs stop there (a GET whose range starts
-    at or past the offset stops at once). ``mode`` "close" ends the connection cleanly
+    ``after_bytes``: the first ``times`` matching GETs whose range holds that byte stop there
+    (a GET that resumes there stops at once; a range request for other bytes of the file
+    passes untouched and does not count). ``mode`` "close" ends the connection cleanly
     (short body), "reset" sends a TCP RST, "flip" sends the whole body with the byte at
     ``after_bytes`` changed (bytes damaged on the way: a bad proxy, a flaky NIC)."""
 
@@ -350,8 +369,9 @@ class Cut:
     times: int = 1
     mode: str = "close"
 
-    def matches(self, key: str) -> bool:
-        return self.times > 0 and fnmatch.fnmatch(key, self.glob)
+    def matches(self, key: str, start: int, end: int) -> bool:
+        return (self.times > 0 and start <= self.after_bytes < end
+                and fnmatch.fnmatch(key, self.glob))
 
 
 class Stats:
@@ -366,6 +386,8 @@ class Stats:
             self.statuses: dict[str, int] = {}
             self.files: dict[str, dict[str, int]] = {}
             self.cuts = 0
+            self.cdn_requests = 0
+            self.cdn_requests_with_authorization = 0
 
     def request(self, method: str, path: str, status: int):
         with self.lock:
@@ -381,15 +403,91 @@ class Stats:
             self.bytes_sent += counts.get("bytes", 0)
             self.cuts += counts.get("cut", 0)
 
+    def cdn(self, authorization: bool):
+        with self.lock:
+            self.cdn_requests += 1
+            self.cdn_requests_with_authorization += 1 if authorization else 0
+
     def snapshot(self) -> dict:
         with self.lock:
             return {
                 "bytes_sent": self.bytes_sent,
                 "cuts": self.cuts,
+                "cdn_requests": self.cdn_requests,
+                "cdn_requests_with_authorization": self.cdn_requests_with_authorization,
                 "files": copy.deepcopy(self.files),
                 "requests": dict(self.requests),
                 "statuses": dict(self.statuses),
             }
+
+
+class Bucket:
+    """A token bucket of ``rate`` bytes/s that holds nothing: ``take`` books the next free
+    slot on the link for its bytes and sleeps (outside the lock) until that slot ends.
+
+    Idle time is not banked, so a short transfer is no faster than the limit and the rate
+    measured is the limit; streams sharing a bucket book slots in turn and split it.
+    """
+
+    def __init__(self, rate: float):
+        self.rate = rate
+        self.free_at = time.monotonic()
+        self.lock = threading.Lock()
+
+    def take(self, n: int):
+        with self.lock:
+            now = time.monotonic()
+            self.free_at = max(self.free_at, now) + n / self.rate
+            wait = self.free_at - now
+        time.sleep(wait)
+
+
+class RateLimit:
+    """Bytes/s for file bodies, shared by all connections of a client address
+    (``per="client"``) or one bucket for each TCP connection (``per="connection"``).
+    ``mib=0`` is no limit."""
+
+    PER = ("client", "connection")
+
+    def __init__(self, mib: float = 0.0, per: str = "client"):
+        self.lock = threading.Lock()
+        self.generation = 0
+        self.set(mib, per)
+
+    def set(self, mib: float, per: str = "client"):
+        if per not in self.PER:
+            raise ValueError(f"per must be one of {', '.join(self.PER)}, got {per!r}")
+        if not mib >= 0:  # also refuses NaN
+            raise ValueError(f"the rate must be >= 0 MiB/s, got {mib}")
+        with self.lock:
+            self.mib, self.per = float(mib), per
+            self.generation += 1  # connections drop their old buckets
+            self.clients: dict[str, Bucket] = {}
+
+    @property
+    def step(self) -> int:
+        """Bytes per write: about 1/20 s of the rate, so the rate is smooth."""
+        return max(1024, min(SEND_CHUNK, int(self.mib * MIB / 20)))
+
+    def bucket(self, handler) -> Bucket | None:
+        """The bucket for ``handler``'s connection, or None when there is no limit."""
+        with self.lock:
+            if not self.mib:
+                return None
+            rate = self.mib * MIB
+            if self.per == "client":
+                client = handler.client_address[0]
+                if client not in self.clients:
+                    self.clients[client] = Bucket(rate)
+                return self.clients[client]
+            mine = getattr(handler, "rate_bucket", None)
+            if mine is None or mine[0] != self.generation:
+                mine = handler.rate_bucket = (self.generation, Bucket(rate))
+            return mine[1]
+
+    def snapshot(self) -> dict:
+        with self.lock:
+            return {"mib": self.mib, "per": self.per}
 
 
 # --------------------------------------------------------------------------- HTTP
@@ -453,7 +551,9 @@ class Handler(BaseHTTPRequestHandler):
             self.rfile.read(int(self.headers.get("Content-Length") or 0))
         try:
             if parts[:1] == ["_admin"]:
-                return self._admin(parts[1:])
+                return self._admin(parts[1:], query)
+            if parts[:1] == ["_cdn"] and len(parts) == 2 and self.command in ("GET", "HEAD"):
+                return self._cdn(parts[1], query)
             token = self._token()
             if parts[:2] == ["api", "whoami-v2"]:
                 if token is None:
@@ -595,41 +695,77 @@ class Handler(BaseHTTPRequestHandler):
         f = repo.files.get(path)
         if f is None:
             raise HubError(404, "Entry not found", "EntryNotFound", commit=sha)
+        headers = {"ETag": f'"{f.etag}"', "X-Repo-Commit": sha}
+        if f.lfs:
+            headers["X-Linked-Etag"] = f'"{f.sha256}"'
+            headers["X-Linked-Size"] = str(f.size)
+        if f.lfs and self.mirror.lfs_redirect:
+            # As the Hub does: the metadata on the 302 itself, the bytes from another host.
+            # The client reads the headers here and must not send its token there.
+            headers["Location"] = self._cdn_url(repo, f)
+            return self._send(302, b"", headers, ctype="text/plain; charset=utf-8")
+        headers["Cache-Control"] = "public, max-age=31536000, immutable" if f.lfs else "no-cache"
+        self._serve_file(f, f"{repo.repo_id}/{path}", headers)
+
+    def _cdn_url(self, repo: Repo, f: RepoFile) -> str:
+        """An absolute URL to this server under another host name, like a signed CDN URL.
+
+        127.0.0.1 and localhost swap (both reach a loopback listener); other names need
+        ``cdn_host``. The file's key rides along so stats and cuts stay per file."""
+        # the name and port the client used to reach us (the Host header), else our own
+        here = urlsplit("//" + (self.headers.get("Host") or urlsplit(self.mirror.url).netloc))
+        port = here.port or self.mirror.address[1]
+        host = self.mirror.cdn_host or {"127.0.0.1": "localhost", "localhost": "127.0.0.1"}.get(
+            (here.hostname or "").lower(), self.connection.getsockname()[0]
+        )
+        key = f"{repo.repo_id}/{f.path}"
+        expires = 4102444800  # 2100-01-01: fixed, so the URL is deterministic
+        signature = hashlib.sha256(f"{f.sha256}:{key}:{expires}".encode()).hexdigest()
+        query = f"file={quote(key, safe='')}&expires={expires}&signature={signature}"
+        return f"http://{host}:{port}/_cdn/{f.sha256}?{query}"
+
+    def _cdn(self, sha256: str, query: dict):
+        """The CDN side: a blob by its SHA-256, no token checked; a request that carries one
+        anyway is counted, so tests can show the token never got here."""
+        self.mirror.stats.cdn(authorization="Authorization" in self.headers)
+        found = self.mirror.blob(sha256, query.get("file"))
+        if found is None:
+            raise HubError(404, "Not Found")
+        key, f = found
+        headers = {"ETag": f'"{f.sha256}"', "Cache-Control": "public, max-age=86400"}
+        self._serve_file(f, key, headers)
+
+    def _serve_file(self, f: RepoFile, key: str, headers: dict):
+        """Headers, then the body (or the single requested range) of ``f``."""
         start, end, status = 0, f.size, 200
         range_header = self.headers.get("Range")
-        if range_header and self.command == "GET":
+        if range_header and self.command == "GET" and not self.mirror.ignore_ranges:
             parsed = _parse_range(range_header, f.size)
             if parsed is None:
                 raise HubError(416, "Requested Range Not Satisfiable")
             start, end = parsed
             status = 206
-        name = path.rsplit("/", 1)[-1]
+        name = f.path.rsplit("/", 1)[-1]
         headers = {
-            "Accept-Ranges": "bytes",
-            "ETag": f'"{f.etag}"',
-            "X-Repo-Commit": sha,
+            "Accept-Ranges": "none" if self.mirror.ignore_ranges else "bytes",
+            **headers,
             "Content-Disposition": f"inline; filename*=UTF-8''{quote(name)}; filename=\"{name}\";",
-            "Cache-Control": "public, max-age=31536000, immutable" if f.lfs else "no-cache",
         }
-        if f.lfs:
-            headers["X-Linked-Etag"] = f'"{f.sha256}"'
-            headers["X-Linked-Size"] = str(f.size)
         if status == 206:
             headers["Content-Range"] = f"bytes {start}-{end - 1}/{f.size}"
         self.send_response(status)
         self.send_header("Content-Type", "application/octet-stream")
         self.send_header("Content-Length", str(end - start))
-        for key, value in headers.items():
-            self.send_header(key, value)
+        for name, value in headers.items():
+            self.send_header(name, value)
         self.end_headers()
-        key = f"{repo.repo_id}/{path}"
         self.mirror.stats.request(self.command, urlsplit(self.path).path, status)
         if self.command == "HEAD":
             return
         self._stream(f, key, start, end)
 
     def _stream(self, f: RepoFile, key: str, start: int, end: int):
-        cut = self.mirror.take_cut(key)
+        cut = self.mirror.take_cut(key, start, end)
         flip = None
         if cut is not None and cut.mode == "flip":
             flip, cut = cut.after_bytes, None
@@ -641,8 +777,9 @@ class Handler(BaseHTTPRequestHandler):
                 if flip is not None and at <= flip < at + len(chunk):
                     i = flip - at
                     chunk = chunk[:i] + bytes([chunk[i] ^ 0xFF]) + chunk[i + 1 :]
-                self.wfile.write(chunk)
-                sent += len(chunk)
+                for piece in self._paced(chunk):
+                    self.wfile.write(piece)
+                    sent += len(piece)
         except OSError:  # the client went away
             self.close_connection = True
             self.mirror.stats.file(key, bytes=sent, gets=1)
@@ -658,8 +795,39 @@ class Handler(BaseHTTPRequestHandler):
             return
         self.mirror.stats.file(key, bytes=sent, gets=1, complete=1 if end == f.size else 0)
 
-    def _admin(self, parts: list[str]):
+    def _paced(self, chunk: bytes):
+        """``chunk`` as it may go out: whole without a rate limit, else in small pieces,
+        each after its bytes were taken from the bucket (looked up again for every piece,
+        so a limit set through the admin endpoint applies to transfers under way)."""
+        limit = self.mirror.rate_limit
+        if not limit.mib:
+            yield chunk
+            return
+        view = memoryview(chunk)
+        pos = 0
+        while pos < len(view):
+            piece = view[pos : pos + limit.step]
+            bucket = limit.bucket(self)
+            if bucket is not None:
+                bucket.take(len(piece))
+            yield piece
+            pos += len(piece)
+
+    def _admin(self, parts: list[str], query: dict):
         mirror = self.mirror
+        if self.command == "POST" and parts in (["rate"], ["lfs-redirect"]):
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))  # keep in sync
+        if parts == ["rate"]:
+            if self.command == "POST":
+                try:
+                    mirror.rate_limit.set(float(query.get("mib", 0)), query.get("per", "client"))
+                except ValueError as err:
+                    raise HubError(400, str(err)) from None
+            return self._json(mirror.rate_limit.snapshot())
+        if parts == ["lfs-redirect"]:
+            if self.command == "POST":
+                mirror.lfs_redirect = query.get("on", "1").lower() in ("1", "true", "on", "yes")
+            return self._json({"lfs_redirect": mirror.lfs_redirect})
         if self.command == "GET" and parts == ["stats"]:
             return self._json(mirror.stats.snapshot())
         if self.command == "POST" and parts == ["reset"]:
@@ -706,6 +874,9 @@ class MirrorServer:
     ``gated`` maps repo id -> accepted token (or a set of tokens); ``tokens`` adds tokens
     that are valid but grant no gated access. ``shard_mib`` sets every weight shard's size
     (the last shard of a repo is half). ``repos`` limits the served repo ids.
+    ``rate_limit_mib``/``rate_limit_per`` cap file bodies (see ``RateLimit``; also
+    ``set_rate_limit``). ``lfs_redirect`` answers LFS resolves with a 302 to ``/_cdn/``
+    under another host name: ``cdn_host``, or by default localhost for 127.0.0.1 and back.
     """
 
     def __init__(
@@ -719,6 +890,10 @@ class MirrorServer:
         repos: list[str] | None = None,
         cuts: list[Cut] | None = None,
         log_stream: IO[str] | None = None,
+        rate_limit_mib: float = 0.0,
+        rate_limit_per: str = "client",
+        lfs_redirect: bool = False,
+        cdn_host: str | None = None,
     ):
         specs, tensor_table = load_specs()
         wanted = repos or list(specs)
@@ -733,6 +908,10 @@ class MirrorServer:
         self.cuts: list[Cut] = list(cuts or [])
         self.cut_lock = threading.Lock()
         self.stats = Stats()
+        self.rate_limit = RateLimit(rate_limit_mib, rate_limit_per)
+        self.lfs_redirect = lfs_redirect
+        self.cdn_host = cdn_host
+        self.ignore_ranges = False  # a server without range support: always the whole file
         self.log_stream = log_stream if log_stream is not None else sys.stderr
         self.log_lock = threading.Lock()
         handler = type("MirrorHandler", (Handler,), {"mirror": self})
@@ -761,14 +940,18 @@ class MirrorServer:
         )
         return self.repos[repo_id].add(path, blob, lfs)
 
+    def set_rate_limit(self, mib: float, per: str = "client"):
+        """``mib`` MiB/s per client address or per connection; 0 removes the limit."""
+        self.rate_limit.set(mib, per)
+
     def set_cuts(self, cuts: list[Cut]):
         with self.cut_lock:
             self.cuts = list(cuts)
 
-    def take_cut(self, key: str) -> Cut | None:
+    def take_cut(self, key: str, start: int, end: int) -> Cut | None:
         with self.cut_lock:
             for cut in self.cuts:
-                if cut.matches(key):
+                if cut.matches(key, start, end):
                     cut.times -= 1
                     return cut
         return None
@@ -781,6 +964,18 @@ class MirrorServer:
                 raise HubError(401, "Repository not found", "RepoNotFound")
             raise HubError(404, "Repository not found", "RepoNotFound")
         return repo
+
+    def blob(self, sha256: str, key: str | None = None) -> tuple[str, RepoFile] | None:
+        """(``repo_id/path``, file) of an LFS file with this SHA-256: the one named by
+        ``key`` if it matches (repos share some files), else the first found."""
+        found = None
+        for repo_id, repo in self.repos.items():
+            for path, f in repo.files.items():
+                if f.lfs and f.sha256 == sha256:
+                    if key in (None, f"{repo_id}/{path}"):
+                        return f"{repo_id}/{path}", f
+                    found = found or (f"{repo_id}/{path}", f)
+        return found
 
     def log(self, line: str):
         with self.log_lock:
@@ -882,7 +1077,35 @@ def main(argv: list[str] | None = None) -> int:
         "--cut-times", type=int, default=1, metavar="K", help="cut the first K matching GETs"
     )
     p.add_argument("--cut-mode", choices=("close", "reset"), default="close")
+    p.add_argument(
+        "--rate-limit-mib",
+        type=float,
+        default=0.0,
+        metavar="R",
+        help="send file bodies at most R MiB/s (default 0: no limit)",
+    )
+    p.add_argument(
+        "--rate-limit-per",
+        choices=RateLimit.PER,
+        default="client",
+        help="client: one limit shared by all connections from a client address (default); "
+        "connection: one for each TCP connection",
+    )
+    p.add_argument(
+        "--lfs-redirect",
+        action="store_true",
+        help="answer LFS resolves with a 302 to /_cdn/ on another host name, as the Hub does",
+    )
+    p.add_argument(
+        "--cdn-host",
+        default=None,
+        metavar="NAME",
+        help="host name in the redirects (default: localhost for 127.0.0.1 and back, "
+        "else this server's address)",
+    )
     args = p.parse_args(argv)
+    if not args.rate_limit_mib >= 0:
+        p.error("--rate-limit-mib must be >= 0")
 
     gated: dict[str, set[str]] = {}
     for repo_id, token in args.gated:
@@ -898,6 +1121,10 @@ def main(argv: list[str] | None = None) -> int:
         shard_mib=args.shard_mib,
         repos=args.repo,
         cuts=cuts,
+        rate_limit_mib=args.rate_limit_mib,
+        rate_limit_per=args.rate_limit_per,
+        lfs_redirect=args.lfs_redirect,
+        cdn_host=args.cdn_host,
     )
     for item in args.extra_file:
         target, mib = _pair(item)

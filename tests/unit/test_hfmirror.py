@@ -10,10 +10,13 @@ import struct
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 import types
 import urllib.error
 import urllib.request
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx2
 import pytest
@@ -64,6 +67,8 @@ def mirror(log):
 def clean(mirror, monkeypatch):
     monkeypatch.delenv("HF_TOKEN", raising=False)
     mirror.set_cuts([])
+    mirror.set_rate_limit(0)
+    mirror.lfs_redirect = False
     mirror.stats.reset()
 
 
@@ -78,6 +83,20 @@ def http(method: str, url: str, headers=None, data=None):
             return resp.status, resp.headers, resp.read()
     except urllib.error.HTTPError as err:
         return err.code, err.headers, err.read()
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    def redirect_request(self, *args, **kwargs):
+        return None  # hand the 3xx back as it came
+
+
+def head_no_redirect(url: str, headers=None):
+    req = urllib.request.Request(url, method="HEAD", headers=headers or {})
+    try:
+        with urllib.request.build_opener(_NoRedirect).open(req, timeout=10) as resp:
+            return resp.status, resp.headers
+    except urllib.error.HTTPError as err:
+        return err.code, err.headers
 
 
 def parse_safetensors(data: bytes) -> dict:
@@ -385,6 +404,121 @@ def test_admin_endpoints(mirror):
     assert http("POST", f"{mirror.url}/_admin/reset", data=b"")[0] == 200
     assert json.loads(http("GET", f"{mirror.url}/_admin/stats")[2])["bytes_sent"] == 0
     assert json.loads(http("DELETE", f"{mirror.url}/_admin/faults")[2]) == []
+
+
+# --------------------------------------------------------------------------- rate limit
+
+BIG = "extra/big.safetensors"
+TWO_MIB = 2 * 1024 * 1024
+
+
+def timed_gets(mirror, count: int) -> float:
+    """Seconds for ``count`` parallel GETs of the first 2 MiB of the big file, each on its own
+    connection; each body is checked."""
+    url = f"{mirror.url}/{FLASH}/resolve/main/{BIG}"
+    want = mirror.repos[FLASH].files[BIG].blob.read()[:TWO_MIB]
+    bodies = []
+
+    def get():
+        bodies.append(http("GET", url, {"Range": f"bytes=0-{TWO_MIB - 1}"})[2])
+
+    threads = [threading.Thread(target=get) for _ in range(count)]
+    start = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    secs = time.monotonic() - start
+    assert bodies == [want] * count
+    return secs
+
+
+def test_rate_limit_per_connection(mirror):
+    # set through the admin endpoint, as a test against a running mirror would
+    status, _, out = http("POST", f"{mirror.url}/_admin/rate?mib=4&per=connection", data=b"")
+    assert status == 200 and json.loads(out) == {"mib": 4.0, "per": "connection"}
+    assert json.loads(http("GET", f"{mirror.url}/_admin/rate")[2])["per"] == "connection"
+    assert timed_gets(mirror, 1) >= 0.45  # 2 MiB at 4 MiB/s
+    assert timed_gets(mirror, 2) < 0.8  # each connection has its own 4 MiB/s
+    for bad in ("mib=-1", "mib=x", "mib=4&per=host"):
+        assert http("POST", f"{mirror.url}/_admin/rate?{bad}", data=b"")[0] == 400
+    assert http("POST", f"{mirror.url}/_admin/rate?mib=0", data=b"")[0] == 200
+    assert timed_gets(mirror, 1) < 0.3  # off again
+    assert mirror.stats.snapshot()["statuses"]["206"] == 4
+
+
+def test_rate_limit_per_client_is_shared_by_its_connections(mirror):
+    mirror.set_rate_limit(4)  # per client by default
+    assert timed_gets(mirror, 2) >= 0.95  # 4 MiB through one 4 MiB/s bucket
+
+
+# --------------------------------------------------------------------------- CDN redirect
+
+
+def file_stats(mirror, key: str, gets: int = 1) -> dict:
+    """The file's stats once ``gets`` GETs are in: the server counts a GET after writing its
+    last byte, which the client may have read before that."""
+    deadline = time.monotonic() + 5
+    while True:
+        entry = mirror.stats.snapshot()["files"].get(key, {})
+        if entry.get("gets", 0) >= gets or time.monotonic() > deadline:
+            return entry
+        time.sleep(0.01)
+
+
+def test_lfs_redirect_to_another_host_like_the_hub(mirror):
+    status, _, out = http("POST", f"{mirror.url}/_admin/lfs-redirect?on=1", data=b"")
+    assert status == 200 and json.loads(out) == {"lfs_redirect": True}
+    repo = mirror.repos[FLASH]
+    f = repo.files[SHARD1]
+    status, headers = head_no_redirect(f"{mirror.url}/{FLASH}/resolve/main/{SHARD1}")
+    assert status == 302 and headers["Content-Length"] == "0"
+    assert headers["X-Repo-Commit"] == repo.sha
+    assert headers["X-Linked-Etag"] == f'"{f.sha256}"' and headers["X-Linked-Size"] == str(f.size)
+    assert headers["ETag"]
+    location = urlsplit(headers["Location"])
+    assert location.scheme == "http" and location.path == f"/_cdn/{f.sha256}"
+    assert (location.hostname, location.port) == ("localhost", mirror.address[1])
+    assert "expires=" in location.query and "signature=" in location.query
+    # reached as localhost, it sends the client to 127.0.0.1: the name always differs
+    localhost = mirror.url.replace("127.0.0.1", "localhost")
+    _, headers = head_no_redirect(f"{localhost}/{FLASH}/resolve/main/{SHARD1}")
+    assert urlsplit(headers["Location"]).hostname == "127.0.0.1"
+
+    # the CDN side serves ranges, and the bytes count for the file
+    status, headers, body = http("GET", location.geturl(), {"Range": "bytes=100-199"})
+    assert status == 206 and body == f.blob.read()[100:200]
+    assert headers["Content-Range"] == f"bytes 100-199/{f.size}"
+    assert file_stats(mirror, f"{FLASH}/{SHARD1}")["bytes"] == 100
+    # files outside LFS are answered directly, as on the Hub
+    status, _, body = http("GET", f"{mirror.url}/{FLASH}/resolve/main/config.json")
+    assert status == 200 and body == repo.files["config.json"].blob.read()
+
+    status, _, out = http("POST", f"{mirror.url}/_admin/lfs-redirect?on=0", data=b"")
+    assert json.loads(out) == {"lfs_redirect": False}
+    assert head_no_redirect(f"{mirror.url}/{FLASH}/resolve/main/{SHARD1}")[0] == 200
+
+
+def test_lfs_redirect_keeps_the_token_off_the_cdn(mirror, tmp_path):
+    mirror.lfs_redirect = True
+    shard = "model-00001-of-00004.safetensors"
+    f = mirror.repos[GATED].files[shard]
+    # the gate is on the resolve, before the redirect
+    with pytest.raises(GatedRepoError):
+        hf_hub_download(GATED, shard, endpoint=mirror.url, cache_dir=tmp_path / "a", token=False)
+    local = hf_hub_download(GATED, shard, endpoint=mirror.url, cache_dir=tmp_path, token=TOKEN)
+    assert sha256_file(local) == f.sha256
+    stats = mirror.stats.snapshot()
+    assert stats["cdn_requests"] == 1 and stats["cdn_requests_with_authorization"] == 0
+    assert file_stats(mirror, f"{GATED}/{shard}")["complete"] == 1
+    assert stats["statuses"]["302"] == 1
+
+    # urllib follows the redirect with every header it was given: the CDN sees the token
+    url = f"{mirror.url}/{GATED}/resolve/main/{shard}"
+    status, _, body = http("GET", url, {"Authorization": f"Bearer {TOKEN}"})
+    assert status == 200 and hashlib.sha256(body).hexdigest() == f.sha256
+    stats = mirror.stats.snapshot()
+    assert stats["cdn_requests"] == 2 and stats["cdn_requests_with_authorization"] == 1
 
 
 # --------------------------------------------------------------------------- gated repo, tokens

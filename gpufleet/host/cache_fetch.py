@@ -16,11 +16,20 @@ How it works:
   clock sync needed), or at once when the holder is a dead pid on the same host;
 - the revision is resolved to a commit; only the files an engine reads are selected;
   what is missing is summed and compared with the free space before any byte moves;
-- each file is downloaded with hf_hub_download into a private staging cache on the same
-  filesystem, hashed (SHA-256 for LFS files, git blob sha1 otherwise; while it is being
-  written, so verification adds no second read of the bytes), and only then
-  renamed into blobs/ and linked from snapshots/<commit>/: the engine's path never shows
-  a partial or wrong file;
+- each file goes into a private staging directory on the same filesystem, is hashed
+  (SHA-256 for LFS files, git blob sha1 otherwise) as its bytes arrive, so verification
+  adds no second read, and only then is renamed into blobs/ and linked from
+  snapshots/<commit>/: the engine's path never shows a partial or wrong file;
+- the bytes: huggingface_hub resolves each file (metadata, redirects, token, gated repos).
+  A file the Hub serves through Xet goes through huggingface_hub's Xet client
+  (HF_XET_HIGH_PERFORMANCE=1 unless set; --xet-concurrency sets
+  HF_XET_FIXED_DOWNLOAD_CONCURRENCY for throttled links). Every other file is moved by
+  this script: one streamed GET for a file up to --part-mib, else --part-mib range
+  requests on the shared pool of --workers connections, written into a preallocated
+  staging file and hashed in file order as the parts land (at most 4 parts of a file
+  held in memory); the token goes only to the host that issued it, never to the CDN a
+  file redirects to. A failed request resumes where it stopped; each failure, and a
+  file whose hash does not match, takes one of the file's --retries attempts;
 - a manifest (.gpufleet-manifest-<commit>.json next to blobs/) records every verified
   file with size and mtime, so a re-run with --verify fast only stats files.
 
@@ -31,6 +40,11 @@ complete and every file it lists is in the snapshot with its size, readable by e
 It exits 1 when it found a problem; --json prints {"files": N, "problems": [...]}, only.
 
     cache_fetch.py --check-files --repo zai-org/GLM-5.3-Flash --revision SHA --cache-dir /srv/hf
+
+--status-file PATH: the fetch rewrites PATH (JSON: state, files, bytes, rate, ETA) every
+--progress-interval seconds and at its end; `cache_fetch.py --status PATH` prints it
+(state "running", "done", "failed", or "gone" when its process ended without saying so),
+which is how the Ansible role shows progress while the fetch runs.
 
 Exit codes: 0 ok, 1 download or verification failed, 2 usage, 3 token refused or missing
 for a gated repo, 4 repo or revision not found, 5 endpoint unreachable, 6 not enough
@@ -43,12 +57,14 @@ bytes free, to exercise the disk-space refusal.
 from __future__ import annotations
 
 import argparse
+import collections
 import concurrent.futures
 import contextlib
 import datetime
 import fnmatch
 import glob
 import hashlib
+import http.client
 import io
 import json
 import os
@@ -58,17 +74,23 @@ import socket
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 import uuid
 from pathlib import Path
+from urllib.parse import urlsplit
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_AUTH, EXIT_NOT_FOUND, EXIT_ENDPOINT = 0, 1, 2, 3, 4, 5
 EXIT_DISK, EXIT_LOCK = 6, 7
 GIB = 1024**3
 HASH_CHUNK = 8 * 1024 * 1024
+MIB = 1024 * 1024
+PART_WINDOW = 4  # parts of one file in flight or waiting for the hash, at most
 FAKE_FREE_ENV = "GPUFLEET_CACHE_FAKE_FREE_BYTES"
 TOKEN_FIX = "set HF_TOKEN on the controller or gpufleet_hf_token in ansible-vault"
 ENDPOINT_FIX = "check HF_ENDPOINT / gpufleet_hf_endpoint"
 DEFAULT_ENDPOINT = "https://huggingface.co"
+USER_AGENT = "gpufleet-cache-fetch"
 
 # What an engine reads from a checkpoint repo (top-level files only: original/, metal/ and
 # other folders hold alternative formats the engines do not load).
@@ -101,6 +123,18 @@ class FetchError(Exception):
     def __init__(self, code: int, message: str):
         super().__init__(message)
         self.code = code
+
+
+class ShortBody(ConnectionError):
+    """The server ended a response before the bytes it promised."""
+
+
+class RangesIgnored(Exception):
+    """A range request got the whole file (200): the server does not serve ranges."""
+
+
+class LinkRefused(Exception):
+    """The host a file redirected to (a CDN) refused its signed link: resolve again."""
 
 
 # --------------------------------------------------------------------------- output
@@ -308,6 +342,12 @@ def sha256_file(path: Path) -> str:
     return hash_file(path, True, 0)
 
 
+def pwrite_all(fd: int, data: memoryview, offset: int):
+    while data:
+        n = os.pwrite(fd, data, offset)
+        data, offset = data[n:], offset + n
+
+
 class StreamHash(threading.Thread):
     """Hash a file while huggingface_hub writes it, so that verifying costs no second
     pass over the bytes. It follows the one ``<etag>.<random>.incomplete`` file the
@@ -402,7 +442,7 @@ def classify(exc: BaseException, args, token: str | None) -> FetchError:
     from huggingface_hub import errors
 
     repo, rev, endpoint = args.repo, args.revision, args.endpoint
-    status = getattr(getattr(exc, "response", None), "status_code", None)
+    status = http_status(exc)
     if isinstance(exc, errors.GatedRepoError):
         if not token:
             return FetchError(EXIT_AUTH, f"{repo} is gated and no token was given: {TOKEN_FIX}")
@@ -425,7 +465,7 @@ def classify(exc: BaseException, args, token: str | None) -> FetchError:
     if _transport_error(exc):
         return FetchError(EXIT_ENDPOINT, f"cannot reach {endpoint} ({type(exc).__name__}: "
                           f"{_first_line(exc)}): {ENDPOINT_FIX}")
-    if isinstance(exc, errors.HfHubHTTPError):
+    if isinstance(exc, (errors.HfHubHTTPError, urllib.error.HTTPError)):
         return FetchError(EXIT_FAILED, f"{endpoint} answered HTTP {status}: {_first_line(exc)}")
     return FetchError(EXIT_FAILED, f"{type(exc).__name__}: {_first_line(exc)}")
 
@@ -467,11 +507,49 @@ def retryable(exc: BaseException) -> bool:
     if _file_not_found(exc, errors) or isinstance(
             exc, (errors.RepositoryNotFoundError, errors.RevisionNotFoundError, FetchError)):
         return False
-    status = getattr(getattr(exc, "response", None), "status_code", None)
-    return status not in (401, 403, 404)
+    return http_status(exc) not in (401, 403, 404)
+
+
+def http_status(exc: BaseException) -> int | None:
+    """The HTTP status of a huggingface_hub error or of urllib's HTTPError."""
+    if isinstance(exc, urllib.error.HTTPError):
+        return exc.code
+    return getattr(getattr(exc, "response", None), "status_code", None)
 
 
 # --------------------------------------------------------------------------- the fetch
+
+
+class Budget:
+    """A file's attempts: every failed request and every failed verification of the file
+    takes one (--retries in all), with a doubling pause (--backoff, at most 60 s)."""
+
+    def __init__(self, path: str, args, lock: SharedLock):
+        self.path, self.args, self.lock = path, args, lock
+        self.failures = 0
+        self.moved = 0  # bytes of the file's current attempt, for progress
+        self.mutex = threading.Lock()
+
+    def check_lock(self):
+        if self.lock.lost.is_set():
+            raise FetchError(EXIT_FAILED, "lost the cache lock (another host broke it); "
+                             "re-run to finish")
+
+    def fail(self, exc: BaseException):
+        with self.mutex:
+            self.failures += 1
+            n = self.failures
+        why = f"{type(exc).__name__}: {_first_line(exc)}"
+        if n >= self.args.retries:
+            if isinstance(exc, FetchError):
+                raise exc
+            raise FetchError(EXIT_FAILED, f"{self.path}: failed {self.args.retries} times "
+                             f"(last: {why}); re-run to continue, verified files are kept")
+        delay = min(60.0, self.args.backoff * 2 ** (n - 1))
+        log(f"{self.path}: attempt {n}/{self.args.retries} failed ({why}); retrying in "
+            f"{delay:.1f} s")
+        time.sleep(delay)
+        self.check_lock()
 
 
 class Fetch:
@@ -487,7 +565,11 @@ class Fetch:
         self.downloaded: list[str] = []
         self.done = 0
         self.total = 0
+        self.moved = 0  # bytes received so far, for progress
+        self.need = 0
         self.t0 = time.monotonic()
+        self.part = args.part_mib * MIB
+        self.pool: concurrent.futures.ThreadPoolExecutor | None = None  # the connections
 
     # ---- hub
     def resolve(self):
@@ -642,47 +724,24 @@ class Fetch:
 
     # ---- download
     def download(self, sha: str, f: dict, staging: Path, entries: dict, lock: SharedLock):
-        from huggingface_hub import hf_hub_download
-
-        last: BaseException | None = None
-        for attempt in range(1, self.args.retries + 1):
-            if lock.lost.is_set():
-                raise FetchError(EXIT_FAILED, "lost the cache lock (another host broke it); "
-                                 "re-run to finish")
+        budget = Budget(f["path"], self.args, lock)
+        while True:
+            budget.check_lock()
             start = time.monotonic()
-            follower = StreamHash(staging / self.repo_dir.name / "blobs", self.etag(f),
-                                  bool(f["lfs"]), f["size"])
-            follower.start()
             try:
-                try:
-                    staged = hf_hub_download(self.args.repo, f["path"], revision=sha,
-                                             cache_dir=staging, endpoint=self.args.endpoint,
-                                             token=self.token or False)
-                finally:
-                    follower.stop()
-                staged = Path(os.path.realpath(staged))
-                digest = follower.digest(staged)
-                if digest != self.etag(f):  # not followed to the end, or wrong: from disk
-                    digest = hash_file(staged, bool(f["lfs"]), f["size"])
-                else:
-                    with self.mlock:
-                        self.bytes_hashed_in_flight += f["size"]
+                staged, digest = self.transfer(sha, f, staging, budget)
                 if staged.stat().st_size != f["size"] or digest != self.etag(f):
                     staged.unlink()
                     raise FetchError(EXIT_FAILED, f"{f['path']}: downloaded bytes do not match "
                                      "the Hub's hash")
             except Exception as exc:  # noqa: BLE001 - retried or classified below
-                last = exc
-                if isinstance(exc, FetchError) or retryable(exc):
-                    if attempt < self.args.retries:
-                        delay = min(60.0, self.args.backoff * 2 ** (attempt - 1))
-                        log(f"{f['path']}: attempt {attempt}/{self.args.retries} failed "
-                            f"({type(exc).__name__}: {_first_line(exc)}); retrying in "
-                            f"{delay:.1f} s")
-                        time.sleep(delay)
-                        continue
-                    break
-                raise classify(exc, self.args, self.token) from None
+                if not isinstance(exc, FetchError) and not retryable(exc):
+                    raise classify(exc, self.args, self.token) from None
+                if isinstance(exc, FetchError) and exc.code != EXIT_FAILED:
+                    raise
+                self.count(-budget.moved, budget)  # progress counts the next attempt afresh
+                budget.fail(exc)  # raises when the file has no attempt left
+                continue
             blob = self.blob(f)
             blob.parent.mkdir(parents=True, exist_ok=True)
             os.chmod(staged, 0o644)  # serving units may run as another user
@@ -698,22 +757,186 @@ class Fetch:
                 log(f"fetched {f['path']} {human(f['size'])} in {secs:.1f} s "
                     f"({human(f['size'] / secs)}/s) [{self.done}/{self.total} files]")
             return
-        if isinstance(last, FetchError):
-            raise last
-        why = f"{type(last).__name__}: {_first_line(last)}" if last else "?"
-        raise FetchError(EXIT_FAILED, f"{f['path']}: failed {self.args.retries} times (last: "
-                         f"{why}); re-run to continue, verified files are kept")
 
-    def progress(self, staging: Path, stop: threading.Event, need: int):
+    def transfer(self, sha: str, f: dict, staging: Path, budget: Budget) -> tuple[Path, str]:
+        """One attempt at a file: (the staged file, its hash as the Hub names files)."""
+        from huggingface_hub import get_hf_file_metadata, hf_hub_url
+
+        url = hf_hub_url(self.args.repo, f["path"], revision=sha, endpoint=self.args.endpoint)
+        meta = get_hf_file_metadata(url, token=self.token or False, timeout=self.args.timeout)
+        if getattr(meta, "xet_file_data", None) is not None:
+            return self.transfer_xet(sha, f, staging, budget)
+        location = meta.location or url
+        # the Hub client's rule: the token goes only to the host that issued it
+        same_host = urlsplit(location).netloc == urlsplit(self.args.endpoint).netloc
+        auth = f"Bearer {self.token}" if self.token and same_host else None
+        staged = staging / "blobs" / self.etag(f)
+        staged.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(staged, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.ftruncate(fd, f["size"])  # the file's final size; parts fill it in any order
+            if f["size"] > self.part:
+                try:
+                    return staged, self.parts(location, auth, fd, f, budget)
+                except RangesIgnored:
+                    log(f"{f['path']}: {urlsplit(location).netloc} ignores byte ranges; "
+                        "taking the file in one stream")
+            return staged, self.stream(location, auth, fd, f, budget)
+        finally:
+            os.close(fd)
+
+    def transfer_xet(self, sha: str, f: dict, staging: Path, budget: Budget) -> tuple[Path, str]:
+        """A file stored in Xet: huggingface_hub's Xet client moves it (chunk dedup,
+        parallel ranges in Rust), hashed as it is written (StreamHash)."""
+        from huggingface_hub import hf_hub_download
+
+        follower = StreamHash(staging / self.repo_dir.name / "blobs", self.etag(f),
+                              bool(f["lfs"]), f["size"])
+        follower.start()
+        try:
+            staged = hf_hub_download(self.args.repo, f["path"], revision=sha,
+                                     cache_dir=staging, endpoint=self.args.endpoint,
+                                     token=self.token or False)
+        finally:
+            follower.stop()
+        staged = Path(os.path.realpath(staged))
+        self.count(f["size"], budget)
+        digest = follower.digest(staged)
+        if digest != self.etag(f):  # not followed to the end, or wrong: from disk
+            return staged, hash_file(staged, bool(f["lfs"]), f["size"])
+        with self.mlock:
+            self.bytes_hashed_in_flight += f["size"]
+        return staged, digest
+
+    def count(self, n: int, budget: Budget):
+        with self.mlock:
+            self.moved += n
+            budget.moved += n
+
+    def request(self, url: str, auth: str | None, first: int | None, last: int):
+        req = urllib.request.Request(url, headers={"User-Agent": USER_AGENT})
+        if auth:  # not carried over a redirect: urllib drops unredirected headers
+            req.add_unredirected_header("Authorization", auth)
+        if first is not None:
+            req.add_header("Range", f"bytes={first}-{last}")
+        try:
+            return urllib.request.urlopen(req, timeout=self.args.timeout)  # noqa: S310
+        except urllib.error.HTTPError as exc:
+            if exc.code in (401, 403, 404, 410) and not auth:
+                exc.close()  # a signed CDN link that expired: the next attempt resolves again
+                raise LinkRefused(f"{urlsplit(url).netloc} answered HTTP {exc.code}") from None
+            raise
+
+    def retry(self, exc: BaseException, budget: Budget):
+        """A request failed: take an attempt and go on, unless asking again cannot help."""
+        if isinstance(exc, urllib.error.HTTPError) and not retryable(exc):
+            raise exc
+        budget.fail(exc)
+
+    def stream(self, url: str, auth: str | None, fd: int, f: dict, budget: Budget) -> str:
+        """The whole file in one GET, written and hashed as it arrives; a failure starts
+        the file again (a server that ignores ranges cannot resume)."""
+        buf = memoryview(bytearray(MIB))
+        while True:
+            h, got = new_hash(bool(f["lfs"]), f["size"]), 0
+            try:
+                with self.request(url, auth, None, 0) as resp:
+                    while got < f["size"]:
+                        n = resp.readinto(buf)
+                        if not n:
+                            break
+                        pwrite_all(fd, buf[:n], got)
+                        h.update(buf[:n])
+                        got += n
+                        self.count(n, budget)
+                if got != f["size"]:
+                    raise ShortBody(f"{got} of {f['size']} bytes")
+                with self.mlock:
+                    self.bytes_hashed_in_flight += got
+                return h.hexdigest()
+            except (OSError, http.client.HTTPException) as exc:
+                self.count(-got, budget)
+                self.retry(exc, budget)
+
+    def parts(self, url: str, auth: str | None, fd: int, f: dict, budget: Budget) -> str:
+        """--part-mib ranges on the shared connection pool, hashed in file order: at most
+        PART_WINDOW parts of this file are in flight or wait for the hash."""
+        size, h = f["size"], new_hash(bool(f["lfs"]), f["size"])
+        starts = iter(range(0, size, self.part))
+        window: collections.deque = collections.deque()
+
+        def submit():
+            first = next(starts, None)
+            if first is not None:
+                last = min(first + self.part, size) - 1
+                window.append(self.pool.submit(self.part_get, url, auth, fd, first, last,
+                                               budget))
+
+        for _ in range(PART_WINDOW):
+            submit()
+        try:
+            while window:
+                h.update(window.popleft().result())
+                submit()
+        finally:
+            for fut in window:
+                fut.cancel()
+            concurrent.futures.wait(window)  # none writes into fd once it is closed
+        with self.mlock:
+            self.bytes_hashed_in_flight += size
+        return h.hexdigest()
+
+    def part_get(self, url: str, auth: str | None, fd: int, first: int, last: int,
+                 budget: Budget) -> memoryview:
+        """Bytes first..last into memory and into the staging file; a failed request
+        resumes from the byte it reached."""
+        view = memoryview(bytearray(last - first + 1))
+        got = 0
+        while got < len(view):
+            budget.check_lock()
+            try:
+                with self.request(url, auth, first + got, last) as resp:
+                    if resp.status != 206:
+                        raise RangesIgnored
+                    while got < len(view):
+                        n = resp.readinto(view[got:])
+                        if not n:
+                            break
+                        got += n
+                        self.count(n, budget)
+                if got < len(view):
+                    raise ShortBody(f"bytes {first + got}-{last} missing")
+            except (OSError, http.client.HTTPException) as exc:
+                self.retry(exc, budget)
+        pwrite_all(fd, view, first)
+        return view
+
+    def progress(self, stop: threading.Event, need: int):
         while not stop.wait(self.args.progress_interval):
-            partial = sum(p.stat().st_size for p in staging.rglob("*.incomplete")
-                          if p.is_file())
-            with self.mlock:
-                got = self.bytes_downloaded + partial
-                done = self.done
-            secs = max(time.monotonic() - self.t0, 1e-6)
-            log(f"progress: {done}/{self.total} files, {human(got)} of {human(need)}, "
-                f"{human(got / secs)}/s")
+            line = self.status(need, "running")
+            log(f"progress: {line['files_done']}/{line['files']} files, "
+                f"{human(line['bytes_done'])} of {human(need)}, {human(line['rate_bytes_s'])}/s"
+                + (f", {line['eta_s']:.0f} s left" if line["eta_s"] is not None else ""))
+
+    def status(self, need: int, state: str, error: str | None = None) -> dict:
+        """What --status-file holds: where the fetch is, written atomically."""
+        with self.mlock:
+            got, done = self.moved, self.done
+        secs = max(time.monotonic() - self.t0, 1e-6)
+        rate = got / secs
+        line = {"pid": os.getpid(), "host": socket.gethostname(), "repo": self.args.repo,
+                "state": state, "files_done": done, "files": self.total, "bytes_done": got,
+                "bytes_total": need, "rate_bytes_s": round(rate),
+                "eta_s": round((need - got) / rate) if rate > 0 and state == "running" else None,
+                "seconds": round(secs, 1), "updated": now_iso()}
+        if error:
+            line["error"] = error
+        if self.args.status_file:
+            with contextlib.suppress(OSError):
+                path = Path(self.args.status_file)
+                path.parent.mkdir(parents=True, exist_ok=True)
+                atomic_write(path, (json.dumps(line) + "\n").encode())
+        return line
 
     # ---- main
     def run(self) -> dict:
@@ -777,15 +1000,18 @@ class Fetch:
             return self._summary(summary, complete=not missing)
         self.probe_access(sha, missing[0]["path"])
         log(f"downloading {len(missing)} files, {human(need)} ({human(free)} free) "
-            f"with {args.workers} workers")
-        self.total = len(missing)
+            f"over {args.workers} connections")
+        self.total, self.need = len(missing), need
         staging = self.repo_dir / ".gpufleet-staging" / uuid.uuid4().hex[:12]
         staging.mkdir(parents=True)
         stop = threading.Event()
-        ticker = threading.Thread(target=self.progress, args=(staging, stop, need), daemon=True)
+        self.status(need, "running")
+        ticker = threading.Thread(target=self.progress, args=(stop, need), daemon=True)
         ticker.start()
         try:
-            with concurrent.futures.ThreadPoolExecutor(args.workers) as pool:
+            # files in parallel, each feeding its parts to the one pool of connections
+            with concurrent.futures.ThreadPoolExecutor(args.workers) as self.pool, \
+                    concurrent.futures.ThreadPoolExecutor(args.workers) as pool:
                 futures = [pool.submit(self.download, sha, f, staging, entries, lock)
                            for f in sorted(missing, key=lambda f: -f["size"])]
                 errors = []
@@ -831,14 +1057,20 @@ class Fetch:
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--repo", required=True, help="model repo id, e.g. zai-org/GLM-5.3-Flash")
+    p.add_argument("--repo", help="model repo id, e.g. zai-org/GLM-5.3-Flash")
     p.add_argument("--revision", default="main", help="branch, tag or commit id")
-    p.add_argument("--cache-dir", required=True, help="shared cache root (files go to DIR/hub)")
+    p.add_argument("--cache-dir", help="shared cache root (files go to DIR/hub)")
     p.add_argument("--endpoint", default=None,
                    help=f"Hub or mirror URL (default: $HF_ENDPOINT or {DEFAULT_ENDPOINT})")
     p.add_argument("--allow", action="append", default=None, metavar="PATTERN",
                    help="download files matching PATTERN (repeatable; replaces the default set)")
-    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--workers", type=int, default=8,
+                   help="connections (and files) in parallel")
+    p.add_argument("--part-mib", type=int, default=16,
+                   help="a file larger than this moves in range requests of this size")
+    p.add_argument("--xet-concurrency", type=int, default=None,
+                   help="fixed download concurrency for files stored in Xet "
+                   "(HF_XET_FIXED_DOWNLOAD_CONCURRENCY; for throttled links)")
     p.add_argument("--verify", choices=("fast", "full"), default="fast",
                    help="fast trusts manifest entries whose size and mtime match; full rehashes")
     p.add_argument("--min-free-gib", type=float, default=0.0,
@@ -855,6 +1087,10 @@ def parse_args(argv):
     p.add_argument("--token-file", default=None,
                    help="file holding the token (else $HF_TOKEN); never pass a token in argv")
     p.add_argument("--log-file", default=None, help="also append progress lines here")
+    p.add_argument("--status-file", default=None,
+                   help="keep the fetch's progress (JSON) in this file")
+    p.add_argument("--status", default=None, metavar="STATUS_FILE",
+                   help="print the progress a fetch keeps in STATUS_FILE and exit")
     p.add_argument("--dry-run", action="store_true",
                    help="report what would be downloaded; download nothing")
     p.add_argument("--access-only", action="store_true",
@@ -867,8 +1103,12 @@ def parse_args(argv):
     args = p.parse_args(argv)
     args.endpoint = (args.endpoint or os.environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT)
     args.endpoint = args.endpoint.rstrip("/")
-    if args.workers < 1 or args.retries < 1:
-        p.error("--workers and --retries must be at least 1")
+    if args.workers < 1 or args.retries < 1 or args.part_mib < 1:
+        p.error("--workers, --retries and --part-mib must be at least 1")
+    if args.status:
+        return args
+    if not args.repo or not args.cache_dir:
+        p.error("--repo and --cache-dir are required")
     if not re.fullmatch(r"[\w.-]+/[\w.-]+", args.repo):
         p.error(f"--repo {args.repo!r} is not an org/name repo id")
     return args
@@ -898,8 +1138,28 @@ def check_files(args) -> int:
     return EXIT_FAILED if result["problems"] else EXIT_OK
 
 
+def show_status(path: str) -> int:
+    """--status: the progress a fetch keeps in its --status-file, as JSON on one line;
+    a "running" fetch whose process is gone is "gone" (killed, or its host rebooted)."""
+    try:
+        line = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        line = {"state": "starting"}  # not written yet
+    if line.get("state") == "running" and line.get("host") == socket.gethostname():
+        try:
+            os.kill(int(line["pid"]), 0)
+        except ProcessLookupError:
+            line["state"] = "gone"
+        except (OSError, KeyError, ValueError):
+            pass
+    print(json.dumps(line))
+    return EXIT_OK
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.status:
+        return show_status(args.status)
     if args.check_files:  # no token, no lock, no Hub
         return check_files(args)
     try:
@@ -919,7 +1179,12 @@ def main(argv=None) -> int:
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
     os.environ["HF_HUB_DISABLE_IMPLICIT_TOKEN"] = "1"
+    os.environ.setdefault("HF_XET_HIGH_PERFORMANCE", "1")  # files in Xet: every core
+    if args.xet_concurrency:
+        os.environ["HF_XET_FIXED_DOWNLOAD_CONCURRENCY"] = str(args.xet_concurrency)
     fetch = Fetch(args, token)
+    if args.status_file and not args.access_only:
+        fetch.status(0, "running")  # resolving: no total yet
     try:
         summary = fetch.run()
         code = EXIT_OK
@@ -937,6 +1202,8 @@ def main(argv=None) -> int:
         log(f"error: {err}")
         summary = {"repo": args.repo, "error": str(err), "exit_code": err.code}
         code = err.code
+    if args.status_file and not args.access_only:
+        fetch.status(fetch.need, "done" if code == EXIT_OK else "failed", summary.get("error"))
     if code == EXIT_OK and args.access_only:
         log(f"{args.repo}@{args.revision}: readable ({summary['files']} files)")
     elif code == EXIT_OK and not summary["complete"]:

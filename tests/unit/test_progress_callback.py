@@ -1,0 +1,88 @@
+"""The gpufleet stdout callback: a task marked gpufleet_progress shows its `until` polls
+as progress (bytes, rate, ETA), every other task keeps Ansible's default output."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+# loaded under its own name: the plugin's file name would shadow the gpufleet package
+_spec = importlib.util.spec_from_file_location(
+    "gpufleet_callback", ROOT / "gpufleet" / "ansible_plugins" / "callback" / "gpufleet.py")
+_callback = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_callback)
+progress_line = _callback.progress_line
+
+pytestmark = pytest.mark.timeout(120)
+
+PLAY = """
+- hosts: localhost
+  gather_facts: false
+  tasks:
+    - name: A download that reports as it goes
+      vars:
+        gpufleet_progress: true
+      ansible.builtin.command:
+        argv: [{python}, -c, "{script}", {counter}]
+      register: st
+      until: (st.stdout | from_json).state == 'done'
+      retries: 5
+      delay: 0
+      changed_when: false
+    - name: A plain poll
+      ansible.builtin.command: "true"
+      register: plain
+      until: plain is not skipped and (plain.attempts | default(1)) > 1
+      retries: 2
+      delay: 0
+      changed_when: false
+"""
+
+# a status that advances by a third per poll: 0 %, 33 %, 67 %, done
+SCRIPT = (
+    "import json,sys,pathlib;p=pathlib.Path(sys.argv[1]);n=int(p.read_text() or 0) "
+    "if p.exists() else 0;p.write_text(str(n+1));print(json.dumps({'state': 'done' if n>=3 "
+    "else 'running','repo':'zai-org/GLM-5.3-Flash','bytes_done':n*3*2**30,"
+    "'bytes_total':9*2**30,'rate_bytes_s':2**30,'eta_s':(3-n)*3,'files_done':n,'files':3}))"
+)
+
+
+def test_progress_polls_show_bytes_rate_and_eta_instead_of_retrying(tmp_path):
+    play = tmp_path / "play.yml"
+    play.write_text(PLAY.format(python=sys.executable, script=SCRIPT,
+                                counter=tmp_path / "n"))
+    env = {**os.environ, "ANSIBLE_CONFIG": str(ROOT / "ansible.cfg"),
+           "ANSIBLE_LOCALHOST_WARNING": "0", "ANSIBLE_INVENTORY_UNPARSED_WARNING": "0"}
+    env.pop("ANSIBLE_STDOUT_CALLBACK", None)
+    proc = subprocess.run(
+        [str(Path(sys.executable).with_name("ansible-playbook")), "-i", "localhost,",
+         "-c", "local", "-e", f"ansible_python_interpreter={sys.executable}", str(play)],
+        capture_output=True, text=True, env=env, cwd=ROOT, timeout=100)
+    out = proc.stdout
+    assert proc.returncode == 0, out + proc.stderr
+    # off a terminal: a plain line (the first poll, then at most one per 10 s)
+    assert "progress: localhost: zai-org/GLM-5.3-Flash:   0.0% 0 B of 9.0 GiB, 1.0 GiB/s, " \
+        "9 s left, 0/3 files" in out
+    assert "FAILED - RETRYING: [localhost]: A download" not in out
+    # every other task keeps the default callback's retry lines and recap
+    assert "FAILED - RETRYING: [localhost]: A plain poll" in out
+    assert "localhost                  : ok=2" in out
+
+
+@pytest.mark.parametrize(("status", "line", "frac"), [
+    ({}, "h: download: starting", None),
+    ({"state": "running", "repo": "r/m", "bytes_total": 0}, "h: r/m: starting", None),
+    ({"state": "running", "repo": "r/m", "bytes_done": 3 * 2**40, "bytes_total": 4 * 2**40,
+      "rate_bytes_s": 500 * 2**20, "eta_s": 3725, "files_done": 7, "files": 9},
+     "h: r/m:  75.0% 3.0 TiB of 4.0 TiB, 500.0 MiB/s, 1 h 02 m left, 7/9 files", 0.75),
+    ({"state": "running", "repo": "r/m", "bytes_done": 10, "bytes_total": 100, "eta_s": None},
+     "h: r/m:  10.0% 10 B of 100 B, 0 B/s, ? left, 0/0 files", 0.1),
+])
+def test_progress_line(status, line, frac):
+    assert progress_line("h", status) == (line, frac)

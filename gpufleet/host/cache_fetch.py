@@ -62,6 +62,7 @@ import concurrent.futures
 import contextlib
 import datetime
 import fnmatch
+import functools
 import glob
 import hashlib
 import http.client
@@ -427,6 +428,38 @@ def atomic_symlink(target: str, link: Path):
     os.replace(tmp, link)
 
 
+def share_of(files: list[dict], index: int, count: int) -> list[dict]:
+    """Share ``index`` (1-based) of ``count``: the files go, largest first, to the share
+    with the fewest bytes so far; every fetcher computes the same split from the listing."""
+    load = [0] * count
+    mine = []
+    for f in sorted(files, key=lambda f: (-f["size"], f["path"])):
+        i = load.index(min(load))
+        load[i] += f["size"]
+        if i == index - 1:
+            mine.append(f)
+    return mine
+
+
+def opener(source_address: str | None) -> urllib.request.OpenerDirector:
+    """urllib's opener (proxies from the environment, redirects), its connections bound to
+    ``source_address`` when given (a host on several networks: the one facing the mirror)."""
+    if not source_address:
+        return urllib.request.build_opener()
+    bind = {"source_address": (source_address, 0)}
+
+    class HTTP(urllib.request.HTTPHandler):
+        def http_open(self, req):
+            return self.do_open(functools.partial(http.client.HTTPConnection, **bind), req)
+
+    class HTTPS(urllib.request.HTTPSHandler):
+        def https_open(self, req):
+            return self.do_open(functools.partial(http.client.HTTPSConnection, **bind), req,
+                                context=self._context)
+
+    return urllib.request.build_opener(HTTP, HTTPS)
+
+
 def select(files: list[dict], allow: list[str] | None) -> list[dict]:
     if allow:
         return [f for f in files if any(fnmatch.fnmatch(f["path"], p) for p in allow)]
@@ -569,6 +602,10 @@ class Fetch:
         self.need = 0
         self.t0 = time.monotonic()
         self.part = args.part_mib * MIB
+        # --share I/K: this fetcher's own lock, staging and manifest next to the others'
+        self.share_tag = f".share-{args.share[0]}-of-{args.share[1]}" if args.share else ""
+        self.staging_root = self.repo_dir / ".gpufleet-staging"
+        self.opener = opener(args.source_address)
         self.pool: concurrent.futures.ThreadPoolExecutor | None = None  # the connections
 
     # ---- hub
@@ -608,15 +645,27 @@ class Fetch:
         return self.repo_dir / "snapshots" / sha / f["path"]
 
     def manifest_path(self, sha: str) -> Path:
-        return self.repo_dir / f".gpufleet-manifest-{sha}.json"
+        """The manifest; a share's own while it fetches its part (--share)."""
+        return self.repo_dir / f".gpufleet-manifest-{sha}{self.share_tag}.json"
 
     # ---- manifest
     def load_manifest(self, sha: str) -> dict:
-        try:
-            data = read_manifest(self.manifest_path(sha))
-            return {e["file"]: e for e in data.get("files", [])}
-        except (OSError, ValueError, KeyError, TypeError):
-            return {}
+        """Verified entries: this manifest's and every share's (a share's entry is trusted
+        like our own: a blob only lands in blobs/ after its hash matched)."""
+        entries: dict = {}
+        own = self.manifest_path(sha)
+        for path in sorted(self.repo_dir.glob(f".gpufleet-manifest-{sha}.share-*.json")) + [own]:
+            try:
+                entries.update({e["file"]: e for e in read_manifest(path).get("files", [])})
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+        return entries
+
+    def forget_shares(self, sha: str):
+        """The complete manifest holds the shares' entries now."""
+        for path in self.repo_dir.glob(f".gpufleet-manifest-{sha}.share-*.json"):
+            with contextlib.suppress(OSError):
+                path.unlink()
 
     def save_manifest(self, sha: str, entries: dict, complete: bool):
         data = {"repo": self.args.repo, "revision": self.args.revision, "commit": sha,
@@ -820,7 +869,7 @@ class Fetch:
         if first is not None:
             req.add_header("Range", f"bytes={first}-{last}")
         try:
-            return urllib.request.urlopen(req, timeout=self.args.timeout)  # noqa: S310
+            return self.opener.open(req, timeout=self.args.timeout)
         except urllib.error.HTTPError as exc:
             if exc.code in (401, 403, 404, 410) and not auth:
                 exc.close()  # a signed CDN link that expired: the next attempt resolves again
@@ -949,6 +998,10 @@ class Fetch:
                              f"{args.allow or 'the default engine file set'}")
         log(f"{args.repo}@{args.revision} is commit {sha}: {len(files)} files, "
             f"{human(sum(f['size'] for f in files))}")
+        if args.share:
+            files = share_of(files, *args.share)
+            log(f"share {args.share[0]} of {args.share[1]}: {len(files)} files, "
+                f"{human(sum(f['size'] for f in files))}")
         if args.access_only:  # preflight: the revision exists and the token may read it
             self.probe_access(sha, files[0]["path"])
             return {"repo": args.repo, "revision": args.revision, "commit": sha,
@@ -956,8 +1009,7 @@ class Fetch:
         if args.dry_run:  # read-only: no lock, no manifest, nothing removed
             return self._locked(sha, files, full, None)
         self.hub.mkdir(parents=True, exist_ok=True)
-        lock = SharedLock(self.hub / ".gpufleet-locks" / (self.repo_dir.name + ".lock"),
-                          stale=args.lock_stale, timeout=args.lock_timeout)
+        lock = SharedLock(self.lock_path(), stale=args.lock_stale, timeout=args.lock_timeout)
         waited = lock.acquire()
         try:
             result = self._locked(sha, files, full, lock)
@@ -966,6 +1018,21 @@ class Fetch:
         result.update(waited_for_lock_s=round(lock.waited, 1), lock_was_held=waited)
         return result
 
+    def lock_path(self, share_tag: str | None = None) -> Path:
+        tag = self.share_tag if share_tag is None else share_tag
+        return self.hub / ".gpufleet-locks" / f"{self.repo_dir.name}{tag}.lock"
+
+    def clean_staging(self):
+        """We hold our lock: staging left in our place was a killed run's partial files. The
+        whole fetch also takes what shares left whose fetcher holds no lock any more."""
+        if self.args.share:
+            shutil.rmtree(self.staging_root / self.share_tag.lstrip("."), ignore_errors=True)
+            return
+        for path in self.staging_root.glob("*"):
+            held = path.name.startswith("share-") and self.lock_path("." + path.name).exists()
+            if not held:
+                shutil.rmtree(path, ignore_errors=True)
+
     def _locked(self, sha: str, files: list[dict], full: bool, lock: SharedLock | None) -> dict:
         args = self.args
         entries = self.load_manifest(sha)
@@ -973,8 +1040,7 @@ class Fetch:
         missing = [f for f in files if not self.check(sha, f, entries, full)]
         if not args.dry_run:
             self.save_manifest(sha, entries, complete=not missing)
-            # we hold the repo's lock: staging left here was a killed run's partial files
-            shutil.rmtree(self.repo_dir / ".gpufleet-staging", ignore_errors=True)
+            self.clean_staging()
         need = sum(f["size"] for f in missing)
         existing = self.hub
         while not existing.exists():  # a dry run before the cache dir exists
@@ -1002,7 +1068,7 @@ class Fetch:
         log(f"downloading {len(missing)} files, {human(need)} ({human(free)} free) "
             f"over {args.workers} connections")
         self.total, self.need = len(missing), need
-        staging = self.repo_dir / ".gpufleet-staging" / uuid.uuid4().hex[:12]
+        staging = self.staging_root / self.share_tag.lstrip(".") / uuid.uuid4().hex[:12]
         staging.mkdir(parents=True)
         stop = threading.Event()
         self.status(need, "running")
@@ -1025,10 +1091,10 @@ class Fetch:
         finally:
             stop.set()
             shutil.rmtree(staging, ignore_errors=True)
-            with contextlib.suppress(OSError):
-                staging.parent.rmdir()
+            for empty in (staging.parent, self.staging_root):
+                with contextlib.suppress(OSError):
+                    empty.rmdir()
         self.save_manifest(sha, entries, complete=True)
-        self.write_ref(sha)
         return self._summary(summary, complete=True)
 
     def write_ref(self, sha: str):
@@ -1040,8 +1106,9 @@ class Fetch:
             atomic_write(ref, sha.encode())
 
     def _summary(self, summary: dict, complete: bool) -> dict:
-        if complete and not self.args.dry_run:
+        if complete and not self.args.dry_run and not self.args.share:
             self.write_ref(summary["commit"])
+            self.forget_shares(summary["commit"])
         secs = max(time.monotonic() - self.t0, 1e-6)
         summary.update(complete=complete, dry_run=self.args.dry_run,
                        downloaded=sorted(self.downloaded), replaced=sorted(self.replaced),
@@ -1068,6 +1135,12 @@ def parse_args(argv):
                    help="connections (and files) in parallel")
     p.add_argument("--part-mib", type=int, default=16,
                    help="a file larger than this moves in range requests of this size")
+    p.add_argument("--share", default=None, metavar="I/K",
+                   help="fetch only share I of K (several hosts, one share each, fill one "
+                   "shared cache; a run without --share then completes the manifest)")
+    p.add_argument("--source-address", default=None, metavar="ADDR",
+                   help="local address of the download connections (a host on several "
+                   "networks: the address facing the mirror)")
     p.add_argument("--xet-concurrency", type=int, default=None,
                    help="fixed download concurrency for files stored in Xet "
                    "(HF_XET_FIXED_DOWNLOAD_CONCURRENCY; for throttled links)")
@@ -1109,6 +1182,11 @@ def parse_args(argv):
         return args
     if not args.repo or not args.cache_dir:
         p.error("--repo and --cache-dir are required")
+    if args.share is not None:
+        match = re.fullmatch(r"(\d+)/(\d+)", args.share)
+        if not match or not 1 <= int(match.group(1)) <= int(match.group(2)):
+            p.error(f"--share {args.share!r}: I/K with 1 <= I <= K, e.g. 2/4")
+        args.share = (int(match.group(1)), int(match.group(2)))
     if not re.fullmatch(r"[\w.-]+/[\w.-]+", args.repo):
         p.error(f"--repo {args.repo!r} is not an org/name repo id")
     return args

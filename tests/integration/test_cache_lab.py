@@ -1,12 +1,18 @@
 """The cache role on the lab: a refused token is named, and never printed anywhere:
-not in Ansible's -vvv output, not in a host's journal, not in a file on the hosts."""
+not in Ansible's -vvv output, not in a host's journal, not in a file on the hosts; two
+fetch hosts share one download, each byte from the mirror once, with progress shown."""
 
 from __future__ import annotations
 
+import json
+import re
+import urllib.request
 import uuid
 
 import pytest
 from labutil import playbook, ssh
+
+from gpufleet_lab import services
 
 pytestmark = pytest.mark.lab
 
@@ -23,5 +29,42 @@ def test_a_bad_token_is_refused_clearly_and_never_printed(lab):
     assert secret not in out
     for host in ("lab1", "lab2"):
         assert secret not in ssh(host, "journalctl --no-pager -o cat")
+        # /root: Ansible's async job records (~/.ansible_async) hold a job's invocation
         assert ssh(host, f"grep -rl {secret} /etc /var/lib/gpufleet /var/cache/gpufleet "
-                         "/opt/gpufleet /tmp 2>/dev/null; true").strip() == ""
+                         "/opt/gpufleet /tmp /root 2>/dev/null; true").strip() == ""
+
+
+def _mirror(path: str, method: str = "GET") -> dict:
+    req = urllib.request.Request(f"{services.hf_mirror_url()}/_admin/{path}", method=method)
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        return json.loads(resp.read())
+
+
+def test_two_fetch_hosts_take_a_share_each_with_progress_and_every_byte_once(lab):
+    # each host's link to the mirror held to 0.25 MiB/s, so the fetch lasts long enough
+    # for the progress polls to see it move (the lab checkpoint is 2 MiB)
+    cache = f"/var/cache/gpufleet/hf/shares-{uuid.uuid4().hex[:8]}"
+    _mirror("rate?mib=0.25&per=client", "POST")
+    _mirror("reset", "POST")
+    try:
+        proc = playbook("-i", "inventories/lab", "playbooks/preflight.yml", "playbooks/cache.yml",
+                        "-e", "gpufleet_target=h200-pd-1node", "-e", f"gpufleet_cache_dir={cache}",
+                        "-e", "cache_fetch_hosts=2")
+        stats = _mirror("stats")
+    finally:
+        _mirror("rate?mib=0", "POST")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    # off a terminal the callback prints plain progress lines: bytes, rate, ETA, files
+    shown = re.findall(r"^progress: (lab[12]): zai-org/GLM-5.3-Flash: +[\d.]+% .* of "
+                       r"[\d.]+ [KM]iB, [\d.]+ [KM]iB/s, .* left, \d+/\d+ files$", out, re.M)
+    assert set(shown) == {"lab1", "lab2"}, out[-3000:]
+    assert "FAILED - RETRYING: [lab1 -> lab" not in out
+    # every byte of the checkpoint came from the mirror once, split between the two hosts
+    files = {k: v for k, v in stats["files"].items() if k.startswith("zai-org/GLM-5.3-Flash/")}
+    assert files and all(v["complete"] == 1 for v in files.values())
+    logs = {h: ssh(h, "cat /var/log/gpufleet/cache-fetch.log") for h in ("lab1", "lab2")}
+    assert "share 1 of 2" in logs["lab1"] and "share 2 of 2" in logs["lab2"]
+    # lab1 completed the manifest; both hosts see the files (the role's verify step)
+    assert "snapshots" in ssh("lab2", f"ls {cache}/hub/models--zai-org--GLM-5.3-Flash")
+    ssh("lab1", f"rm -rf {cache}", check=True)

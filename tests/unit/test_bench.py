@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import yaml
 
 from gpufleet import bench
@@ -70,7 +71,7 @@ def test_cache_bench_short_run_moves_each_byte_once(tmp_path):
     # hold at any size is that 4 fetchers on one cache pull what 1 does, and a re-run none
     out = tmp_path / "cache.json"
     assert _bench_module("cache_bench").main(
-        ["--shard-mib", "2", "--rounds", "1", "--out", str(out)]) == 0
+        ["--shard-mib", "2", "--rounds", "1", "--host-mib", "40", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     total = result["fetchers_1"]["bytes_from_mirror"]
     assert total == result["raw_http"]["bytes_from_mirror"] > 0
@@ -78,6 +79,38 @@ def test_cache_bench_short_run_moves_each_byte_once(tmp_path):
     assert sorted(result["fetchers_4"]["downloaded_by"])[:3] == [0, 0, 0]
     assert result["rerun_complete_cache"]["bytes_from_mirror"] == 0
     assert result["ratio_cache_fetch_to_raw"] > 0
+    assert result["raw_http_sha256"]["bytes_from_mirror"] == total
+    assert result["ratio_cache_fetch_to_hashing_raw"] > 0
+    assert result["cache_fetch"]["cpu_s_per_gib"] > 0
+    assert set(result["goals"]) == {"ratio_cache_fetch_to_hashing_raw",
+                                    "cache_fetch_cpu_s_per_gib",
+                                    "bytes_from_mirror_4_fetchers_over_1",
+                                    "fetch_hosts_2_over_1", "bytes_from_mirror_2_hosts_over_1"}
+    assert result["rate_limit"] is None
+    hosts = result["fetch_hosts"]
+    # two hosts, a share each, then the completing run: every byte once, none by the last
+    assert hosts["one_host"]["bytes_from_mirror"] == hosts["two_hosts"]["bytes_from_mirror"] \
+        == total
+    shares = hosts["two_hosts"]["downloaded_by"]
+    assert shares[0] > 0 and shares[1] > 0 and shares[2] == 0 and sum(shares) == total
+
+
+def test_cache_bench_hashing_copy_on_a_rate_limited_mirror(tmp_path):
+    # the ceiling copy checks what it hashed, and --rate-limit-mib reaches the mirror
+    cache_bench = _bench_module("cache_bench")
+    mirror, url = cache_bench.start_mirror(1, rate_limit_mib=8)
+    try:
+        files = cache_bench.engine_files(url)
+        total = sum(size for _, size, _ in files)
+        assert [sha for path, _, sha in files if path.endswith(".safetensors")][0]
+        secs, sent = cache_bench.copy_round(url, files, tmp_path / "ok", 4, True)
+        assert sent == total and secs >= 0.8 * total / (8 * cache_bench.MIB)
+        path, size, _ = next(f for f in files if f[0].endswith(".safetensors"))
+        with pytest.raises(SystemExit, match="does not match"):
+            cache_bench.raw_copy(url, [(path, size, "0" * 64)], tmp_path, 1, verify=True)
+    finally:
+        mirror.terminate()
+        mirror.wait()
 
 
 PROFILE_OUTPUT = """\

@@ -275,6 +275,49 @@ def test_two_concurrent_runs_download_each_byte_once(mirror, tmp_path):
     assert_verified(tmp_path, mirror, BIG_REPO)
 
 
+def test_two_shares_fill_one_cache_with_each_byte_once_and_a_whole_run_completes_it(
+        mirror, tmp_path):
+    # two hosts, one share each, at once (on their own source addresses, as two hosts)
+    procs = [fetch(mirror, tmp_path, BIG_REPO, "--share", f"{i}/2", "--source-address",
+                   f"127.0.0.{i + 1}") for i in (1, 2)]
+    results = [p.communicate(timeout=100) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], results
+    shares = [json.loads(out) for out, _ in results]
+    got = [set(s["downloaded"]) for s in shares]
+    assert got[0] and got[1] and not got[0] & got[1]
+    assert got[0] | got[1] == set(expected(mirror, BIG_REPO))
+    assert BIG in got[0]  # the largest file opens the first share
+    hub = tmp_path / "hub" / ("models--" + BIG_REPO.replace("/", "--"))
+    sha = mirror.repos[BIG_REPO].sha
+    assert sorted(p.name for p in hub.glob(".gpufleet-manifest-*")) == [
+        f".gpufleet-manifest-{sha}.share-{i}-of-2.json" for i in (1, 2)]
+    assert not (hub / "refs" / "main").exists()  # not complete until a whole run says so
+
+    mirror.stats.reset()
+    code, summary, out = run(mirror, tmp_path, BIG_REPO)
+    assert code == 0, out
+    assert summary["bytes_downloaded"] == 0 and summary["changed"] is False
+    assert mirror.stats.snapshot()["bytes_sent"] == 0
+    assert_verified(tmp_path, mirror, BIG_REPO)
+    assert [p.name for p in hub.glob(".gpufleet-manifest-*")] == [f".gpufleet-manifest-{sha}.json"]
+
+
+def test_a_share_that_never_ran_is_fetched_by_the_whole_run(mirror, tmp_path):
+    code, first, out = run(mirror, tmp_path, BIG_REPO, "--share", "2/2")
+    assert code == 0, out
+    code, summary, out = run(mirror, tmp_path, BIG_REPO)
+    assert code == 0, out
+    assert set(summary["downloaded"]) == set(expected(mirror, BIG_REPO)) - set(first["downloaded"])
+    assert mirror.stats.snapshot()["bytes_sent"] == total(mirror, BIG_REPO)
+    assert_verified(tmp_path, mirror, BIG_REPO)
+
+
+@pytest.mark.parametrize("share", ["0/2", "3/2", "1", "a/b"])
+def test_a_bad_share_is_refused(mirror, tmp_path, share):
+    code, _, out = run(mirror, tmp_path, BIG_REPO, "--share", share)
+    assert code == 2 and "I/K with 1 <= I <= K" in out
+
+
 def test_stale_lock_of_a_dead_process_is_broken_and_its_partial_files_removed(mirror, tmp_path):
     locks = tmp_path / "hub" / ".gpufleet-locks"
     locks.mkdir(parents=True)

@@ -44,12 +44,13 @@ PLAY = """
       changed_when: false
 """
 
-# a status that advances by a third per poll: 0 %, 33 %, 67 %, done
+# a status without a total yet (resolving), then 0 %, 33 %, done
 SCRIPT = (
     "import json,sys,pathlib;p=pathlib.Path(sys.argv[1]);n=int(p.read_text() or 0) "
-    "if p.exists() else 0;p.write_text(str(n+1));print(json.dumps({'state': 'done' if n>=3 "
-    "else 'running','repo':'zai-org/GLM-5.3-Flash','bytes_done':n*3*2**30,"
-    "'bytes_total':9*2**30,'rate_bytes_s':2**30,'eta_s':(3-n)*3,'files_done':n,'files':3}))"
+    "if p.exists() else 0;p.write_text(str(n+1));m=n-1;print(json.dumps({'state': 'done' "
+    "if n>=3 else 'running','repo':'zai-org/GLM-5.3-Flash','bytes_done':max(m,0)*3*2**30,"
+    "'bytes_total':9*2**30 if n else 0,'rate_bytes_s':2**30,'eta_s':(3-m)*3,'files_done':"
+    "max(m,0),'files':3}))"
 )
 
 
@@ -66,9 +67,12 @@ def test_progress_polls_show_bytes_rate_and_eta_instead_of_retrying(tmp_path):
         capture_output=True, text=True, env=env, cwd=ROOT, timeout=100)
     out = proc.stdout
     assert proc.returncode == 0, out + proc.stderr
-    # off a terminal: a plain line (the first poll, then at most one per 10 s)
+    # off a terminal: a plain line when it starts, the first figures at once, then at most
+    # one line per 10 s (so not the 33 % of the next poll)
+    assert "progress: localhost: zai-org/GLM-5.3-Flash: starting" in out
     assert "progress: localhost: zai-org/GLM-5.3-Flash:   0.0% 0 B of 9.0 GiB, 1.0 GiB/s, " \
         "9 s left, 0/3 files" in out
+    assert "33.3%" not in out and out.count("progress: ") == 2
     assert "FAILED - RETRYING: [localhost]: A download" not in out
     # every other task keeps the default callback's retry lines and recap
     assert "FAILED - RETRYING: [localhost]: A plain poll" in out

@@ -4,7 +4,8 @@ A task that sets the variable ``gpufleet_progress: true`` and polls with ``until
 cache role's checkpoint download) reports through its retries: each retry's stdout is
 the JSON line ``cache_fetch.py --status`` prints, shown as bytes, rate and ETA instead of
 "FAILED - RETRYING". On a terminal it is one bar redrawn in place; otherwise (a log, CI,
-ansible-runner) a plain line per poll, at most one every 10 seconds per host.
+ansible-runner) a plain line when a download starts, then at most one every 10 seconds
+per host.
 """
 
 from __future__ import annotations
@@ -102,10 +103,15 @@ class CallbackModule(Default):
             sys.stdout.flush()
             self._bar_open = True
             return None
-        now = time.monotonic()
-        if now - self._last_plain.get(host, -PLAIN_EVERY_S) >= PLAIN_EVERY_S:
+        # a line when the download starts, then at most one every PLAIN_EVERY_S per host
+        now, last = time.monotonic(), self._last_plain.get(host)
+        if frac is None and last is None:
+            self._last_plain[host] = -PLAIN_EVERY_S  # the first figures come out at once
+        elif frac is None or (last is not None and now - last < PLAIN_EVERY_S):
+            return None
+        else:
             self._last_plain[host] = now
-            self._display.display(f"progress: {line}")
+        self._display.display(f"progress: {line}")
         return None
 
     def v2_runner_on_ok(self, result):

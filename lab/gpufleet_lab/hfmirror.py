@@ -728,6 +728,11 @@ class Handler(BaseHTTPRequestHandler):
         """The CDN side: a blob by its SHA-256, no token checked; a request that carries one
         anyway is counted, so tests can show the token never got here."""
         self.mirror.stats.cdn(authorization="Authorization" in self.headers)
+        with self.mirror.cut_lock:
+            expired = self.mirror.cdn_expired > 0
+            self.mirror.cdn_expired -= expired
+        if expired:  # as a CDN answers a signed link past its expiry
+            raise HubError(403, "Request has expired")
         found = self.mirror.blob(sha256, query.get("file"))
         if found is None:
             raise HubError(404, "Not Found")
@@ -912,6 +917,7 @@ class MirrorServer:
         self.lfs_redirect = lfs_redirect
         self.cdn_host = cdn_host
         self.ignore_ranges = False  # a server without range support: always the whole file
+        self.cdn_expired = 0  # the next N CDN requests: 403, as for a signed link past expiry
         self.log_stream = log_stream if log_stream is not None else sys.stderr
         self.log_lock = threading.Lock()
         handler = type("MirrorHandler", (Handler,), {"mirror": self})

@@ -57,6 +57,7 @@ def clean(mirror):
     mirror.stats.reset()
     yield
     mirror.lfs_redirect = mirror.ignore_ranges = False
+    mirror.cdn_expired = 0
 
 
 def fetch(mirror, cache, repo=FLASH, *extra, env=None, endpoint=True):
@@ -466,6 +467,16 @@ def test_gated_files_redirected_to_a_cdn_get_the_token_only_at_the_hub(mirror, t
     lfs = [p for p, f in expected(mirror, GATED).items() if f.lfs]
     assert lfs and stats["cdn_requests"] >= len(lfs)
     assert stats["cdn_requests_with_authorization"] == 0
+
+
+def test_a_cdn_link_that_expired_is_resolved_again(mirror, tmp_path):
+    mirror.lfs_redirect = True
+    mirror.cdn_expired = 1
+    code, summary, out = run(mirror, tmp_path, BIG_REPO, "--workers", "1")
+    assert code == 0, out
+    assert "LinkRefused" in out and "answered HTTP 403" in out
+    assert mirror.cdn_expired == 0
+    assert_verified(tmp_path, mirror, BIG_REPO)
 
 
 def test_a_server_that_ignores_ranges_gets_each_file_in_one_stream(mirror, tmp_path):

@@ -12,7 +12,7 @@
 3. Bytes pulled from the mirror when 1 fetcher and when 4 concurrent fetchers (as if on
    4 hosts) fill one shared cache directory (goal: the same bytes, 1x).
 
-    python bench/cache_bench.py [--shard-mib 64] [--workers 4] [--rounds 3]
+    python bench/cache_bench.py [--shard-mib 160] [--extra-shards 5] [--workers 4] [--rounds 3]
                                 [--rate-limit-mib R] [--out bench/results/cache.json]
 
 The copies and cache_fetch take turns for --rounds rounds (fresh directories each time);
@@ -40,6 +40,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -51,9 +52,13 @@ MIB = 1024 * 1024
 GIB = 1024 * MIB
 
 
-def start_mirror(shard_mib: float, rate_limit_mib: float = 0.0):
+def start_mirror(shard_mib: float, rate_limit_mib: float = 0.0, extra_shards: int = 0):
+    """The mirror: the repo's 3 shards of ``shard_mib`` and ``extra_shards`` more like them
+    (a real checkpoint has dozens: what the fetch hosts split is files)."""
     cmd = [sys.executable, "-m", "gpufleet_lab.hfmirror", "--port", "0", "--repo", REPO,
            "--shard-mib", str(shard_mib)]
+    for i in range(extra_shards):
+        cmd += ["--extra-file", f"{REPO}:zz-shard-{i + 1:02d}.safetensors={shard_mib:g}"]
     if rate_limit_mib:
         cmd += ["--rate-limit-mib", str(rate_limit_mib), "--rate-limit-per", "client"]
     proc = subprocess.Popen(cmd, cwd=ROOT / "lab", stderr=subprocess.PIPE,
@@ -63,6 +68,8 @@ def start_mirror(shard_mib: float, rate_limit_mib: float = 0.0):
     if not match:
         proc.kill()
         raise SystemExit(f"mirror did not start: {line}")
+    # its access log goes on: read it, or the mirror blocks once the pipe is full
+    threading.Thread(target=proc.stderr.read, daemon=True).start()
     return proc, match.group(1)
 
 
@@ -182,7 +189,9 @@ def goal(value, text: str, met: bool) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--shard-mib", type=float, default=64.0)
+    p.add_argument("--shard-mib", type=float, default=160.0)
+    p.add_argument("--extra-shards", type=int, default=5,
+                   help="shards beyond the repo's 3, each of --shard-mib")
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--rate-limit-mib", type=float, default=0.0, metavar="R",
@@ -193,7 +202,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "cache.json"))
     args = p.parse_args(argv)
 
-    mirror, url = start_mirror(args.shard_mib, args.rate_limit_mib)
+    mirror, url = start_mirror(args.shard_mib, args.rate_limit_mib, args.extra_shards)
     try:
         files = engine_files(url)
         total = sum(size for _, size, _ in files)

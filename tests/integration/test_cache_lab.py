@@ -47,8 +47,9 @@ def test_two_fetch_hosts_take_a_share_each_with_progress_and_every_byte_once(lab
     _mirror("rate?mib=0.25&per=client", "POST")
     _mirror("reset", "POST")
     try:
+        # a target of two hosts (h200-pd-1node has one: cache_fetch_hosts=2 is refused there)
         proc = playbook("-i", "inventories/lab", "playbooks/preflight.yml", "playbooks/cache.yml",
-                        "-e", "gpufleet_target=h200-pd-1node", "-e", f"gpufleet_cache_dir={cache}",
+                        "-e", "gpufleet_target=sglang-h200-pd", "-e", f"gpufleet_cache_dir={cache}",
                         "-e", "cache_fetch_hosts=2")
         stats = _mirror("stats")
     finally:
@@ -56,15 +57,17 @@ def test_two_fetch_hosts_take_a_share_each_with_progress_and_every_byte_once(lab
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
     # off a terminal the callback prints plain progress lines: bytes, rate, ETA, files
-    shown = re.findall(r"^progress: (lab[12]): zai-org/GLM-5.3-Flash: +[\d.]+% .* of "
-                       r"[\d.]+ [KM]iB, [\d.]+ [KM]iB/s, .* left, \d+/\d+ files$", out, re.M)
-    assert set(shown) == {"lab1", "lab2"}, out[-3000:]
+    size = r"[\d.]+ (?:B|[KMG]iB)"
+    shown = re.findall(rf"^progress: (lab[12]): (zai-org/[\w.-]+): +[\d.]+% {size} of {size}, "
+                       rf"{size}/s, .* left, \d+/\d+ files$", out, re.M)
+    assert {host for host, _ in shown} == {"lab1", "lab2"}, out[-3000:]
+    repo = shown[0][1]
     assert "FAILED - RETRYING: [lab1 -> lab" not in out
     # every byte of the checkpoint came from the mirror once, split between the two hosts
-    files = {k: v for k, v in stats["files"].items() if k.startswith("zai-org/GLM-5.3-Flash/")}
+    files = {k: v for k, v in stats["files"].items() if k.startswith(f"{repo}/")}
     assert files and all(v["complete"] == 1 for v in files.values())
     logs = {h: ssh(h, "cat /var/log/gpufleet/cache-fetch.log") for h in ("lab1", "lab2")}
     assert "share 1 of 2" in logs["lab1"] and "share 2 of 2" in logs["lab2"]
     # lab1 completed the manifest; both hosts see the files (the role's verify step)
-    assert "snapshots" in ssh("lab2", f"ls {cache}/hub/models--zai-org--GLM-5.3-Flash")
+    assert "snapshots" in ssh("lab2", f"ls {cache}/hub/models--{repo.replace('/', '--')}")
     ssh("lab1", f"rm -rf {cache}", check=True)

@@ -40,6 +40,9 @@ def _mirror(path: str, method: str = "GET") -> dict:
         return json.loads(resp.read())
 
 
+# slow (about a minute): the shares and the progress are tested in tests/unit
+# (test_cache_fetch.py, test_progress_callback.py); this is them end to end on two hosts
+@pytest.mark.slow
 def test_two_fetch_hosts_take_a_share_each_with_progress_and_every_byte_once(lab):
     # each host's link to the mirror held to 0.25 MiB/s, so the fetch lasts long enough
     # for the progress polls to see it move (the lab checkpoint is 2 MiB)

@@ -428,6 +428,11 @@ def atomic_symlink(target: str, link: Path):
     os.replace(tmp, link)
 
 
+def suffix(share_name: str) -> str:
+    """What a share adds to the names of its lock and manifest."""
+    return f".{share_name}" if share_name else ""
+
+
 def share_of(files: list[dict], index: int, count: int) -> list[dict]:
     """Share ``index`` (1-based) of ``count``: the files go, largest first, to the share
     with the fewest bytes so far; every fetcher computes the same split from the listing."""
@@ -599,11 +604,11 @@ class Fetch:
         self.done = 0
         self.total = 0
         self.moved = 0  # bytes received so far, for progress
-        self.need = 0
+        self.need = 0  # bytes this fetch downloads, once known
         self.t0 = time.monotonic()
         self.part = args.part_mib * MIB
         # --share I/K: this fetcher's own lock, staging and manifest next to the others'
-        self.share_tag = f".share-{args.share[0]}-of-{args.share[1]}" if args.share else ""
+        self.share_name = f"share-{args.share[0]}-of-{args.share[1]}" if args.share else ""
         self.staging_root = self.repo_dir / ".gpufleet-staging"
         self.opener = opener(args.source_address)
         self.pool: concurrent.futures.ThreadPoolExecutor | None = None  # the connections
@@ -646,7 +651,7 @@ class Fetch:
 
     def manifest_path(self, sha: str) -> Path:
         """The manifest; a share's own while it fetches its part (--share)."""
-        return self.repo_dir / f".gpufleet-manifest-{sha}{self.share_tag}.json"
+        return self.repo_dir / f".gpufleet-manifest-{sha}{suffix(self.share_name)}.json"
 
     # ---- manifest
     def load_manifest(self, sha: str) -> dict:
@@ -960,15 +965,17 @@ class Fetch:
         pwrite_all(fd, view, first)
         return view
 
-    def progress(self, stop: threading.Event, need: int):
+    def progress(self, stop: threading.Event):
         while not stop.wait(self.args.progress_interval):
-            line = self.status(need, "running")
+            line = self.status("running")
             log(f"progress: {line['files_done']}/{line['files']} files, "
-                f"{human(line['bytes_done'])} of {human(need)}, {human(line['rate_bytes_s'])}/s"
+                f"{human(line['bytes_done'])} of {human(self.need)}, "
+                f"{human(line['rate_bytes_s'])}/s"
                 + (f", {line['eta_s']:.0f} s left" if line["eta_s"] is not None else ""))
 
-    def status(self, need: int, state: str, error: str | None = None) -> dict:
+    def status(self, state: str, error: str | None = None) -> dict:
         """What --status-file holds: where the fetch is, written atomically."""
+        need = self.need
         with self.mlock:
             got, done = self.moved, self.done
         secs = max(time.monotonic() - self.t0, 1e-6)
@@ -1018,18 +1025,18 @@ class Fetch:
         result.update(waited_for_lock_s=round(lock.waited, 1), lock_was_held=waited)
         return result
 
-    def lock_path(self, share_tag: str | None = None) -> Path:
-        tag = self.share_tag if share_tag is None else share_tag
-        return self.hub / ".gpufleet-locks" / f"{self.repo_dir.name}{tag}.lock"
+    def lock_path(self, share_name: str | None = None) -> Path:
+        name = self.share_name if share_name is None else share_name
+        return self.hub / ".gpufleet-locks" / f"{self.repo_dir.name}{suffix(name)}.lock"
 
     def clean_staging(self):
         """We hold our lock: staging left in our place was a killed run's partial files. The
         whole fetch also takes what shares left whose fetcher holds no lock any more."""
         if self.args.share:
-            shutil.rmtree(self.staging_root / self.share_tag.lstrip("."), ignore_errors=True)
+            shutil.rmtree(self.staging_root / self.share_name, ignore_errors=True)
             return
         for path in self.staging_root.glob("*"):
-            held = path.name.startswith("share-") and self.lock_path("." + path.name).exists()
+            held = path.name.startswith("share-") and self.lock_path(path.name).exists()
             if not held:
                 shutil.rmtree(path, ignore_errors=True)
 
@@ -1068,11 +1075,11 @@ class Fetch:
         log(f"downloading {len(missing)} files, {human(need)} ({human(free)} free) "
             f"over {args.workers} connections")
         self.total, self.need = len(missing), need
-        staging = self.staging_root / self.share_tag.lstrip(".") / uuid.uuid4().hex[:12]
+        staging = self.staging_root / self.share_name / uuid.uuid4().hex[:12]
         staging.mkdir(parents=True)
         stop = threading.Event()
-        self.status(need, "running")
-        ticker = threading.Thread(target=self.progress, args=(stop, need), daemon=True)
+        self.status("running")
+        ticker = threading.Thread(target=self.progress, args=(stop,), daemon=True)
         ticker.start()
         try:
             # files in parallel, each feeding its parts to the one pool of connections
@@ -1262,7 +1269,7 @@ def main(argv=None) -> int:
         os.environ["HF_XET_FIXED_DOWNLOAD_CONCURRENCY"] = str(args.xet_concurrency)
     fetch = Fetch(args, token)
     if args.status_file and not args.access_only:
-        fetch.status(0, "running")  # resolving: no total yet
+        fetch.status("running")  # resolving: no total yet
     try:
         summary = fetch.run()
         code = EXIT_OK
@@ -1281,7 +1288,7 @@ def main(argv=None) -> int:
         summary = {"repo": args.repo, "error": str(err), "exit_code": err.code}
         code = err.code
     if args.status_file and not args.access_only:
-        fetch.status(fetch.need, "done" if code == EXIT_OK else "failed", summary.get("error"))
+        fetch.status("done" if code == EXIT_OK else "failed", summary.get("error"))
     if code == EXIT_OK and args.access_only:
         log(f"{args.repo}@{args.revision}: readable ({summary['files']} files)")
     elif code == EXIT_OK and not summary["complete"]:

@@ -24,7 +24,7 @@ PLAY = [{
                                "checkpoint": {"path": "/tmp/gpufleet-cache-role-test",
                                               "models": [{"repo": "zai-org/GLM-5.3-Flash"}]}}},
     "tasks": [{"ansible.builtin.include_role": {"name": "cache", "tasks_from": "preflight.yml"}},
-              {"ansible.builtin.debug": {"msg": "hub={{ __cache_hf_hub_version }}"}}],
+              {"ansible.builtin.debug": {"msg": "hub={{ __cache_hf_hub_versions['localhost'] }}"}}],
 }]
 DEFAULTS = yaml.safe_load((REPO / "roles" / "cache" / "defaults" / "main.yml").read_text())
 

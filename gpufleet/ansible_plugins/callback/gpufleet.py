@@ -77,8 +77,7 @@ class CallbackModule(Default):
 
     @staticmethod
     def _is_progress(result) -> bool:
-        task = getattr(result, "task", None) or getattr(result, "_task", None)
-        return bool(task is not None and (task.vars or {}).get("gpufleet_progress"))
+        return bool((result.task.vars or {}).get("gpufleet_progress"))
 
     def _end_bar(self):
         if self._bar_open:
@@ -90,9 +89,8 @@ class CallbackModule(Default):
         if not self._is_progress(result):
             self._end_bar()
             return super().v2_runner_retry(result)
-        res = getattr(result, "result", None) or result._result
         try:
-            status = json.loads(res.get("stdout") or "{}")
+            status = json.loads(result.result.get("stdout") or "{}")
         except ValueError:
             status = {}
         host = self.host_label(result)

@@ -1,19 +1,22 @@
 #!/usr/bin/env python3
 """Checkpoint cache benchmark, one run against the lab mirror on loopback.
 
-1. Throughput of gpufleet/host/cache_fetch.py (huggingface_hub, staging, SHA-256 verify,
-   manifest) versus a raw urllib copy of the same files from the same mirror, with the
-   same number of parallel streams. Two raw copies: a plain one, and one that updates a
-   SHA-256 with every 1 MiB read in the same loop and checks it at the end, which is the
-   ceiling for a client that verifies what it writes. The main ratio is cache_fetch to
+1. Throughput of gpufleet/host/cache_fetch.py (metadata, lock, staging, ranges, SHA-256
+   of every byte, manifest) versus a raw urllib copy of the same files from the same
+   mirror, with the same number of parallel streams. Two raw copies: a plain one, and one
+   that updates a SHA-256 with every 1 MiB read in the same loop and checks it at the end,
+   which is the ceiling for a client that verifies what it writes. The main ratio is cache_fetch to
    that hashing copy (goal >= 0.9); the ratio to the plain copy is kept too.
 2. CPU seconds per GiB of cache_fetch (user + system of its processes, from
    RUSAGE_CHILDREN around each run; goal <= 1.5).
 3. Bytes pulled from the mirror when 1 fetcher and when 4 concurrent fetchers (as if on
    4 hosts) fill one shared cache directory (goal: the same bytes, 1x).
+4. One fetch host against two (--host-mib R per client address, each "host" on its own
+   loopback source address): two shares at once then the completing whole run, as the
+   cache role runs cache_fetch_hosts: 2 (goal >= 1.7x, bytes from the mirror 1x).
 
     python bench/cache_bench.py [--shard-mib 160] [--extra-shards 5] [--workers 4] [--rounds 3]
-                                [--rate-limit-mib R] [--out bench/results/cache.json]
+                                [--rate-limit-mib R] [--host-mib R] [--out bench/results/cache.json]
 
 The copies and cache_fetch take turns for --rounds rounds (fresh directories each time);
 the ratios are of their medians, so one noisy second does not decide it.
@@ -21,8 +24,6 @@ the ratios are of their medians, so one noisy second does not decide it.
 --rate-limit-mib R starts the mirror with a limit of R MiB/s per client address (all the
 streams here come from 127.0.0.1, so they share it, as one host shares its link); the
 rates are then also given as a share of R, to see whether each client fills the link.
-Two fetch hosts against one such link need cache_fetch to share one download between
-hosts, which it cannot yet; the result says so under "fetch_hosts".
 
 The mirror runs in its own process, so it does not share a GIL with the clients.
 """

@@ -800,9 +800,8 @@ class Fetch:
             blob.parent.mkdir(parents=True, exist_ok=True)
             os.chmod(staged, 0o644)  # serving units may run as another user
             os.replace(staged, blob)  # same filesystem: atomic, verified bytes only
+            self.adopt(sha, f, entries, f["lfs"] or sha256_file(blob))
             with self.mlock:
-                self.record(entries, f, blob, f["lfs"] or sha256_file(blob))
-                self.link(sha, f)
                 self.bytes_downloaded += f["size"]
                 self.downloaded.append(f["path"])
                 self.done += 1
@@ -811,6 +810,12 @@ class Fetch:
                 log(f"fetched {f['path']} {human(f['size'])} in {secs:.1f} s "
                     f"({human(f['size'] / secs)}/s) [{self.done}/{self.total} files]")
             return
+
+    def adopt(self, sha: str, f: dict, entries: dict, digest: str):
+        """A verified blob in place: the file's manifest entry and snapshot link."""
+        with self.mlock:
+            self.record(entries, f, self.blob(f), digest)
+            self.link(sha, f)
 
     def transfer(self, sha: str, f: dict, staging: Path, budget: Budget) -> tuple[Path, str]:
         """One attempt at a file: (the staged file, its hash as the Hub names files)."""
@@ -1048,7 +1053,12 @@ class Fetch:
         if not args.dry_run:
             self.save_manifest(sha, entries, complete=not missing)
             self.clean_staging()
-        need = sum(f["size"] for f in missing)
+        # files with the same content share one blob: fetched once, the others linked to it
+        first: dict = {}
+        for f in missing:
+            first.setdefault(self.etag(f), f)
+        twins = [f for f in missing if first[self.etag(f)] is not f]
+        need = sum(f["size"] for f in first.values())
         existing = self.hub
         while not existing.exists():  # a dry run before the cache dir exists
             existing = existing.parent
@@ -1074,7 +1084,7 @@ class Fetch:
         self.probe_access(sha, missing[0]["path"])
         log(f"downloading {len(missing)} files, {human(need)} ({human(free)} free) "
             f"over {args.workers} connections")
-        self.total, self.need = len(missing), need
+        self.total, self.need = len(first), need
         staging = self.staging_root / self.share_name / uuid.uuid4().hex[:12]
         staging.mkdir(parents=True)
         stop = threading.Event()
@@ -1086,7 +1096,7 @@ class Fetch:
             with concurrent.futures.ThreadPoolExecutor(args.workers) as self.pool, \
                     concurrent.futures.ThreadPoolExecutor(args.workers) as pool:
                 futures = [pool.submit(self.download, sha, f, staging, entries, lock)
-                           for f in sorted(missing, key=lambda f: -f["size"])]
+                           for f in sorted(first.values(), key=lambda f: -f["size"])]
                 errors = []
                 for fut in concurrent.futures.as_completed(futures):
                     if not fut.cancelled() and fut.exception() is not None:
@@ -1101,6 +1111,8 @@ class Fetch:
             for empty in (staging.parent, self.staging_root):
                 with contextlib.suppress(OSError):
                     empty.rmdir()
+        for f in twins:
+            self.adopt(sha, f, entries, entries[first[self.etag(f)]["path"]]["sha256"])
         self.save_manifest(sha, entries, complete=True)
         return self._summary(summary, complete=True)
 

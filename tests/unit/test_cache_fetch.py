@@ -137,6 +137,23 @@ def test_one_transfer_then_rerun_downloads_nothing_and_serves_offline(mirror, tm
     assert res.stdout.splitlines() == [str(snapshot(tmp_path, mirror, FLASH)), "{"]
 
 
+def test_files_with_the_same_content_are_fetched_once_and_both_linked(tmp_path):
+    twin = os.urandom(9 * 1024 * 1024 + 5)  # more than two parts
+    server = MirrorServer(log_stream=io.StringIO(), repos=[FLASH])
+    for name in ("zz-twin-a.safetensors", "zz-twin-b.safetensors"):
+        server.add_file(FLASH, name, twin, lfs=True)
+    with server:
+        code, summary, out = run(server, tmp_path)
+        assert code == 0, out
+        assert_verified(tmp_path, server, FLASH)
+        assert server.stats.snapshot()["bytes_sent"] == total(server, FLASH) - len(twin)
+        assert summary["need_bytes"] == summary["bytes_downloaded"] == total(server, FLASH) - len(
+            twin)
+        snap = snapshot(tmp_path, server, FLASH)
+        assert (snap / "zz-twin-a.safetensors").resolve() == (
+            snap / "zz-twin-b.safetensors").resolve()
+
+
 def test_a_large_file_moves_in_ranges_hashed_in_order_with_progress_in_a_status_file(
         mirror, tmp_path):
     status = tmp_path / "status" / "fetch.json"

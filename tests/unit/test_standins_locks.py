@@ -115,7 +115,7 @@ def test_fault_variants_are_below_the_floor_or_mixed(lab):
 def test_a_stand_in_at_another_version_is_caught(tmp_path):
     """The check above fails when a stand-in's version is not the lock's."""
     build = wheels._load(wheels.STANDINS / "build.py", "standins_build_test")
-    wheel = build.standin(tmp_path, "torch", "9.9.9")
+    wheel = build.standin(tmp_path, "triton", "9.9.9")
     pins = lockfile.read(wheels.LOCKS / "vllm-x86_64-py311.txt").pins
     name, version = wheel_meta(wheel)
     assert pins[name][0] != version

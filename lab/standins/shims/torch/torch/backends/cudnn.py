@@ -1,0 +1,1 @@
+enabled = True

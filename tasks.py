@@ -16,6 +16,7 @@ from pathlib import Path
 
 from invoke import Collection, Exit, task
 
+from gpufleet import acceptance as acceptance_report
 from gpufleet import cli
 from gpufleet.inventory import InventoryError
 from gpufleet.plan import ENGINE_ROLES, PlanError
@@ -333,8 +334,62 @@ def health(c, target=None, inventory=DEFAULT_INVENTORY, format="text"):
         raise Exit(code=1)
 
 
+@task(help={"target": PLAN_HELP["target"], "inventory": PLAN_HELP["inventory"],
+            "threshold": "fail below this share of the expected figures (default 0.8)",
+            "timeout": "seconds one collective or GPU pass may take before it counts as hung",
+            "while_serving": "measure even where the engines serve (lower figures)",
+            "gpus": "only these GPU indices, comma separated (default: every GPU the plan "
+                    "uses)",
+            "format": "text (default) or json"})
+def acceptance(c, target=None, inventory=DEFAULT_INVENTORY, threshold=0.8, timeout=300,
+               while_serving=False, gpus="", format="text"):
+    """Prove the GPUs and their links deliver before serving: per host, an all_reduce
+    across each engine's GPUs, a memory and matmul pass per GPU, dcgmi diag where present,
+    against the hardware profile's figures; non-zero if any host falls short."""
+    threshold = float(threshold)
+    if not 0 < threshold <= 1 or int(timeout) <= 0:
+        raise Exit("gpufleet: --threshold must be in (0, 1] and --timeout positive", code=2)
+    if gpus and not all(g.strip().isdigit() for g in gpus.split(",")):
+        raise Exit(f"gpufleet: --gpus {gpus!r}: GPU indices, comma separated (0,1)", code=2)
+    p = _plan(target, inventory)
+    _rc, report = _ansible("playbooks/acceptance.yml", p, inventory,
+                           {"gpufleet_acceptance_threshold": threshold,
+                            "gpufleet_acceptance_timeout_s": int(timeout),
+                            "acceptance_while_serving": bool(while_serving),
+                            "acceptance_gpus": [int(g) for g in gpus.split(",") if g.strip()]},
+                           capture=True)
+    reports = {}
+    for host, r in _results(report, "Acceptance | Measure (minutes; one process per GPU)").items():
+        try:
+            reports[host] = json.loads(r.get("stdout") or "")
+        except ValueError:
+            said = (r.get("stderr") or r.get("msg") or "no output").strip().splitlines()
+            reports[host] = {"passed": False, "checks": [], "error": said[-1]}
+    for host in _unreachable(report):
+        if host not in reports:
+            reports[host] = {"passed": False, "checks": [], "error": _failure(report, host)}
+    if format == "json":
+        print(json.dumps({"hosts": reports}, indent=2))
+    else:
+        cli.print_table(acceptance_report.rows(reports))
+        for line in acceptance_report.failures(reports):
+            print(f"FAIL {line}")
+    if not reports or not all(r.get("passed") for r in reports.values()):
+        raise Exit(code=1)
+
+
+def _failure(report: dict, host: str) -> str:
+    """The message of the task that stopped HOST (unreachable or failed)."""
+    for play in report.get("plays", []):
+        for t in play.get("tasks", []):
+            r = t["hosts"].get(host, {})
+            if r.get("unreachable") or r.get("failed"):
+                return str(r.get("msg") or "failed").strip()
+    return "failed"
+
+
 ns = Collection(targets, plan, deploy, endpoint, bench, prepare, cache, smoke, status, logs,
-                restart, teardown, health)
+                restart, teardown, health, acceptance)
 if (LAB / "gpufleet_lab").is_dir():
     sys.path.insert(0, str(LAB))
     from gpufleet_lab.tasks import lab

@@ -178,9 +178,11 @@ class HostPlan:
     imex: dict | None = None
     rdma: bool | None = None
     peermem: bool | None = None
+    # what fab acceptance expects of this node type (catalog hardware `acceptance`)
+    acceptance: dict | None = None
 
     GPU_ONLY = ("gpu", "driver_floor", "rocm_floor", "fabric_manager", "nvlsm", "imex",
-                "rdma", "peermem")
+                "rdma", "peermem", "acceptance")
 
     def to_json(self) -> dict:
         out = asdict(self)

@@ -661,6 +661,7 @@ def _host_requirements(plan: Plan, inventory: inv_mod.Inventory) -> dict[str, Ho
                         if "imex" in hw.host_software else None)
             req.rdma = bool(target.rdma or multi_node_engine)
             req.peermem = req.rdma and hw.vendor == "nvidia"
+            req.acceptance = hw.acceptance.model_dump() if hw.acceptance else None
         out[name] = req
     return out
 

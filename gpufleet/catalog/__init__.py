@@ -42,6 +42,15 @@ class Model(_Strict):
     license: str | None = None
 
 
+class Acceptance(_Strict):
+    """What fab acceptance expects of one node type, and where the figures come from."""
+
+    source: str
+    busbw_gbs: dict[int, float]  # message size (MiB) -> all_reduce bus bandwidth
+    tflops_bf16: float
+    mem_write_gbs: float
+
+
 class Hardware(_Strict):
     vendor: Literal["nvidia", "amd"]
     product: str
@@ -55,6 +64,7 @@ class Hardware(_Strict):
     gfx: str | None = None
     driver_floor: str | None = None
     rocm_floor: str | None = None
+    acceptance: Acceptance | None = None
 
 
 class ManagedKind(_Strict):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from gpufleet.acceptance import host_spec
 from gpufleet.model import host_slices
 
 # gpufleet's own files (host programs, locks): paths relative to the repository root
@@ -53,4 +54,5 @@ class FilterModule:
             "gpufleet_env_line": env_file_line,
             "gpufleet_file": own_file,
             "gpufleet_host_slices": host_slices,
+            "gpufleet_acceptance_spec": host_spec,
         }

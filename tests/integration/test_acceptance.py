@@ -1,0 +1,85 @@
+"""fab acceptance on the lab: the playbook, the program in the engine venv (its PyTorch is
+the lab's stand-in on the simulated GPUs), the report and the deploy's gate, with the
+faults an operator meets: NVLink links down, GPU memory that reads back wrong, a hung
+collective. Runs after the modules that leave h200-pd-1node serving on lab1 (prefill on
+GPUs 0-3, decode on 4-7) and leaves it serving again."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from labutil import fab, lab_inventory, ssh
+
+pytestmark = pytest.mark.lab
+
+TARGET = ("--target", "h200-pd-1node")
+ENGINES = "gpufleet-prefill.service gpufleet-decode.service"
+
+
+def inject(faults: dict | None):
+    path = "/var/lib/gpufleet-lab/gpu-faults.json"
+    ssh("lab1", f"echo '{json.dumps(faults)}' > {path}" if faults else f"rm -f {path}",
+        check=True)
+
+
+@pytest.fixture(autouse=True)
+def no_faults_after():
+    yield
+    inject(None)
+
+
+def test_serving_gpus_are_refused_then_measured_with_the_faults_named(lab):
+    proc = fab("acceptance", *TARGET)
+    assert proc.returncode == 1
+    assert "the engines serve on these GPUs" in proc.stdout and "--while-serving" in proc.stdout
+
+    inject({"nvlink_inactive": {"5": list(range(10))}, "memory_errors": {"2": 3}})
+    proc = fab("acceptance", *TARGET, "--while-serving", "--format", "json")
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-2000:]
+    report = json.loads(proc.stdout)["hosts"]["lab1"]
+    checks = report["checks"]
+    by = {}
+    for c in checks:
+        by.setdefault((c["kind"], c["name"]), []).append(c)
+    assert sorted(k for k in by if k[0] == "nccl") == [("nccl", "decode"), ("nccl", "prefill")]
+    assert all(c["verdict"] == "pass" and c["gpus"] == [0, 1, 2, 3] for c in by["nccl", "prefill"])
+    for c in by["nccl", "decode"]:  # GPU 5 has 8 of its 18 links: the group runs at 44%
+        assert c["verdict"] == "FAIL" and c["gpus"] == [4, 5, 6, 7]
+        assert "GPU 5: NVLink links 0,1,2,3,4,5,6,7,8,9 inactive" in c["detail"]
+    bad = [c for c in checks if c["kind"] == "gpu" and c["verdict"] == "FAIL"]
+    assert [(c["name"], c["metric"]) for c in bad] == [("GPU 2", "mem_write_gbs")]
+    assert sum(c["kind"] == "gpu" for c in checks) == 16  # 8 GPUs x (memory, matmul)
+
+    text = fab("acceptance", *TARGET, "--while-serving")
+    assert text.returncode == 1
+    assert "FAIL lab1: nccl decode: bus bandwidth 44% of expected" in text.stdout
+    assert "FAIL lab1: gpu GPU 2: 12 words read back wrong" in text.stdout
+    assert ENGINES.split()[0] in ssh("lab1", "systemctl list-units --state=active gpufleet-*")
+
+
+def test_a_hung_collective_is_named_within_the_timeout(lab):
+    inject({"nccl_hang": True})
+    proc = fab("acceptance", *TARGET, "--while-serving", "--timeout", "5", "--gpus", "4,5,6,7")
+    assert proc.returncode == 1
+    assert ("hung collective: the all_reduce across GPUs 4,5,6,7 did not finish in 5 s"
+            in proc.stdout)
+    assert "nccl prefill" not in proc.stdout  # --gpus: the decode GPUs alone
+    assert ssh("lab1", "pgrep -f 'acceptance.py nccl-rank' || echo none").strip() == "none"
+
+
+def test_the_deploy_gate_stops_before_the_checkpoint_and_passes_once_healthy(lab, tmp_path):
+    inventory = lab_inventory(tmp_path, {"gpufleet_acceptance_gate": True})
+    ssh("lab1", f"systemctl stop {ENGINES}", check=True)  # a host not yet serving
+    inject({"nvlink_inactive": {"1": list(range(12))}})
+    proc = fab("deploy", *TARGET, "-i", inventory)
+    assert proc.returncode == 1
+    assert "lab1 failed acceptance" in proc.stdout and "GPU 1: NVLink links 0,1" in proc.stdout
+    assert "TASK [Cache |" not in proc.stdout and "TASK [Serve |" not in proc.stdout  # stopped
+    assert ssh("lab1", f"systemctl is-active {ENGINES} || true").split() == ["inactive"] * 2
+
+    inject(None)
+    proc = fab("deploy", *TARGET, "-i", inventory)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert "Acceptance | Gate | Every check passed" in proc.stdout
+    assert ssh("lab1", f"systemctl is-active {ENGINES}").split() == ["active"] * 2

@@ -340,9 +340,9 @@ def health(c, target=None, inventory=DEFAULT_INVENTORY, format="text"):
             "while_serving": "measure even where the engines serve (lower figures)",
             "gpus": "only these GPU indices, comma separated (default: every GPU the plan "
                     "uses)",
-            "format": "text (default) or json"})
+            "runtime": PLAN_HELP["runtime"], "format": "text (default) or json"})
 def acceptance(c, target=None, inventory=DEFAULT_INVENTORY, threshold=0.8, timeout=300,
-               while_serving=False, gpus="", format="text"):
+               while_serving=False, gpus="", runtime=None, format="text"):
     """Prove the GPUs and their links deliver before serving: per host, an all_reduce
     across each engine's GPUs, a memory and matmul pass per GPU, dcgmi diag where present,
     against the hardware profile's figures; non-zero if any host falls short."""
@@ -351,7 +351,7 @@ def acceptance(c, target=None, inventory=DEFAULT_INVENTORY, threshold=0.8, timeo
         raise Exit("gpufleet: --threshold must be in (0, 1] and --timeout positive", code=2)
     if gpus and not all(g.strip().isdigit() for g in gpus.split(",")):
         raise Exit(f"gpufleet: --gpus {gpus!r}: GPU indices, comma separated (0,1)", code=2)
-    p = _plan(target, inventory)
+    p = _plan(target, inventory, runtime=runtime)
     _rc, report = _ansible("playbooks/acceptance.yml", p, inventory,
                            {"gpufleet_acceptance_threshold": threshold,
                             "gpufleet_acceptance_timeout_s": int(timeout),

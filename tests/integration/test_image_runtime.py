@@ -94,6 +94,20 @@ def test_engines_run_in_containers_of_the_pinned_digest(deployed):
     assert "podman" not in gateway
 
 
+def test_acceptance_runs_in_the_engine_image_with_the_gpus_cdi_gives_it(deployed):
+    """fab acceptance with the image runtime: the program and its measuring processes run
+    in a container of the pinned image (its PyTorch), the GPUs by CDI as the units get
+    them."""
+    proc = fab("acceptance", "--target", TARGET, "--runtime", "image", "--while-serving",
+               "--gpus", "0,1,4,5", "--format", "json")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    checks = json.loads(proc.stdout)["hosts"]["lab1"]["checks"]
+    assert [(c["name"], c["gpus"]) for c in checks if c["kind"] == "nccl"][::4] == [
+        ("prefill", [0, 1]), ("decode", [4, 5])]
+    assert {c["name"] for c in checks if c["kind"] == "gpu"} == {f"GPU {g}" for g in (0, 1, 4, 5)}
+    assert all(c["verdict"] == "pass" for c in checks)
+
+
 def test_a_rerun_changes_nothing_and_restarts_nothing(deployed):
     before = {h: main_pids(h) for h in HOSTS}
     proc = site()

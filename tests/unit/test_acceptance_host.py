@@ -45,6 +45,12 @@ class Host:
             dest.parent.mkdir(parents=True, exist_ok=True)
             dest.write_bytes(content)
             dest.chmod(mode)
+        # the device nodes, as names (mknod needs root): the GPUs PyTorch finds
+        for line in (root / "etc/gpufleet-lab/devices").read_text().splitlines():
+            if line.startswith("/dev/"):
+                node = root / line.split()[0].lstrip("/")
+                node.parent.mkdir(parents=True, exist_ok=True)
+                node.touch()
         self.bin = root / "bin"
         self.bin.mkdir()
         (self.bin / "nvidia-smi").write_text(
@@ -167,3 +173,9 @@ def test_an_unusable_spec_or_environment_exits_2_before_measuring(host, change, 
     code, report, err = host.run(**change)
     assert code == 2 and report == {}
     assert words in err
+
+
+def test_pytorch_finds_only_the_gpus_whose_device_node_it_sees(host):
+    (host.root / "dev/nvidia1").unlink()  # a container given GPU 0 alone by CDI
+    code, _, err = host.run()
+    assert code == 2 and "sees 1 GPUs; the plan uses GPU 1" in err

@@ -44,16 +44,18 @@ def driver_loaded():
 
 
 def visible():
-    """Physical GPU indices in CUDA_VISIBLE_DEVICES order."""
-    count = len(hw().get("gpus", [])) if driver_loaded() else 0
+    """Physical GPU indices in CUDA_VISIBLE_DEVICES order: the GPUs whose device node this
+    process sees (a container sees the ones CDI gave it), with the driver loaded."""
+    gpus = [g["index"] for g in hw().get("gpus", [])
+            if os.path.exists(_path(f"/dev/nvidia{g['minor']}"))] if driver_loaded() else []
     env = os.environ.get("CUDA_VISIBLE_DEVICES")
     if env is None:
-        return list(range(count))
+        return gpus
     out = []
     for word in env.split(","):
-        if not word.strip().isdigit() or int(word) >= count:
+        if not word.strip().isdigit() or int(word) >= len(gpus):
             break
-        out.append(int(word))
+        out.append(gpus[int(word)])
     return out
 
 

@@ -37,6 +37,18 @@ def ssh(host: str, command: str, check: bool = False) -> str:
     return proc.stdout
 
 
+def main_pids(host: str, units: str = "'gpufleet-*.service'") -> dict[str, str]:
+    """unit -> main PID of the running units among UNITS (a restart changes the PID); the
+    health checker's oneshot, which its timer starts and ends, is left out."""
+    out = ssh(host, f"systemctl show -p Id -p MainPID {units}", check=True)
+    pids = {}
+    for block in out.strip().split("\n\n"):
+        fields = dict(line.split("=", 1) for line in block.splitlines() if "=" in line)
+        if fields.get("MainPID", "0") != "0" and fields["Id"] != "gpufleet-health.service":
+            pids[fields["Id"]] = fields["MainPID"]
+    return pids
+
+
 def recap(output: str) -> dict[str, dict[str, int]]:
     """PLAY RECAP counters per host."""
     out = {}

@@ -15,9 +15,9 @@ image), and an MI355X host running SGLang's ROCm image by default.
 from __future__ import annotations
 
 import json
-import re
 import time
 
+import labutil
 import pytest
 from labutil import changed_tasks, fab, playbook, recap, ssh
 
@@ -54,10 +54,7 @@ def unit_files(host: str) -> str:
 
 
 def main_pids(host: str = "lab1") -> dict[str, str]:
-    units = (*ENGINES, "gpufleet-gateway.service")
-    out = ssh(host, "systemctl show -p Id,MainPID " + " ".join(units), check=True)
-    pairs = re.findall(r"MainPID=(\d+)\nId=(\S+)|Id=(\S+)\nMainPID=(\d+)", out)
-    return {(a[1] or a[2]): (a[0] or a[3]) for a in pairs}
+    return labutil.main_pids(host, " ".join((*ENGINES, "gpufleet-gateway.service")))
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from labutil import fab, lab_inventory, ssh
+from labutil import fab, lab_inventory, main_pids, ssh
 from openai import OpenAI
 
 from gpufleet_lab import net
@@ -36,16 +36,6 @@ def served(worker: str) -> float:
         text = r.read().decode()
     return sum(float(v) for v in
                re.findall(r"^vllm:request_success_total\{.*\} (\S+)$", text, re.M))
-
-
-def main_pids(host: str) -> dict[str, str]:
-    out = ssh(host, "systemctl show -p Id -p MainPID 'gpufleet-*.service'", check=True)
-    pids = {}
-    for block in out.strip().split("\n\n"):
-        fields = dict(line.split("=", 1) for line in block.splitlines() if "=" in line)
-        if fields.get("MainPID", "0") != "0":
-            pids[fields["Id"]] = fields["MainPID"]
-    return pids
 
 
 @pytest.fixture(scope="module")

@@ -360,9 +360,10 @@ class StreamHash(threading.Thread):
 
     POLL_S = 0.02
 
-    def __init__(self, blobs: Path, etag: str, lfs: bool, size: int):
+    def __init__(self, blobs: Path, etag: str, lfs: bool, size: int, on_read=None):
         super().__init__(daemon=True)
         self.blobs, self.etag, self.lfs, self.size = blobs, etag, lfs, size
+        self.on_read = on_read  # called with each chunk's length as it is hashed (progress)
         self.finished = threading.Event()
         self.ino: int | None = None
         self.read = 0
@@ -394,6 +395,8 @@ class StreamHash(threading.Thread):
                 if chunk:
                     h.update(chunk)
                     self.read += len(chunk)
+                    if self.on_read:
+                        self.on_read(len(chunk))
                 elif self.finished.is_set():
                     break  # the writer is done: this empty read was the real end
                 else:
@@ -849,8 +852,9 @@ class Fetch:
         parallel ranges in Rust), hashed as it is written (StreamHash)."""
         from huggingface_hub import hf_hub_download
 
+        # progress as the follower hashes what the Xet client has written
         follower = StreamHash(staging / self.repo_dir.name / "blobs", self.etag(f),
-                              bool(f["lfs"]), f["size"])
+                              bool(f["lfs"]), f["size"], lambda n: self.count(n, budget))
         follower.start()
         try:
             staged = hf_hub_download(self.args.repo, f["path"], revision=sha,
@@ -859,7 +863,7 @@ class Fetch:
         finally:
             follower.stop()
         staged = Path(os.path.realpath(staged))
-        self.count(f["size"], budget)
+        self.count(max(0, f["size"] - follower.read), budget)  # what it did not follow
         digest = follower.digest(staged)
         if digest != self.etag(f):  # not followed to the end, or wrong: from disk
             return staged, hash_file(staged, bool(f["lfs"]), f["size"])

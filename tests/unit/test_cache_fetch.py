@@ -582,7 +582,7 @@ def test_bytes_damaged_on_every_attempt_fail_and_leave_nothing_visible(mirror, t
                                     for p in blobs.iterdir())
 
 
-def _follow(tmp_path, writes, lfs=True):
+def _follow(tmp_path, writes, lfs=True, on_read=None):
     """Write `writes` (a list of byte strings, or "swap" to start a new file) into an
     .incomplete file the way huggingface_hub does, while a StreamHash follows it."""
     sys.path.insert(0, str(SCRIPT.parent))
@@ -594,7 +594,7 @@ def _follow(tmp_path, writes, lfs=True):
     etag = hashlib.sha256(data).hexdigest()
     blobs = tmp_path / "blobs"
     blobs.mkdir()
-    follower = cache_fetch.StreamHash(blobs, etag, lfs, len(data))
+    follower = cache_fetch.StreamHash(blobs, etag, lfs, len(data), on_read)
     follower.start()
     tmp = blobs / f"{etag}.0001.incomplete"
     fh = open(tmp, "wb")  # noqa: SIM115
@@ -615,8 +615,11 @@ def _follow(tmp_path, writes, lfs=True):
 
 
 def test_stream_hash_follows_a_growing_file_to_its_final_name(tmp_path):
-    digest, etag = _follow(tmp_path, [os.urandom(300_000) for _ in range(5)])
+    seen = []  # the bytes of each progress call
+    writes = [os.urandom(300_000) for _ in range(5)]
+    digest, etag = _follow(tmp_path, writes, on_read=seen.append)
     assert digest == etag
+    assert sum(seen) == 5 * 300_000 and len(seen) >= 5  # progress while the file grew
 
 
 def test_stream_hash_gives_nothing_when_it_followed_another_file(tmp_path):

@@ -9,16 +9,22 @@ hardware profile's figures (catalog hardware `acceptance`, with their source).
 from __future__ import annotations
 
 SIZES_MIB = [16, 128, 512, 1024]
+FABRIC_PORT = 29517  # where the first host's rank 0 meets the others (acceptance_port)
 # the engines' own NCCL/RCCL settings apply to the measurement (never a secret)
 ENV_PREFIXES = ("NCCL_", "RCCL_", "CUDA_DEVICE_ORDER", "HIP_", "TORCH_NCCL_")
 
 
 def host_spec(host: dict, threshold: float = 0.8, timeout_s: int = 300,
-              mem_fraction: float = 0.5, only: list | None = None,
+              mem_fraction: float = 0.5, only: list | None = None, hosts: list | None = None,
+              port: int = FABRIC_PORT, ib_sysfs: str = "/sys/class/infiniband",
               env: dict | None = None) -> dict:
     """The acceptance program's spec for one host's slice of the plan (model.host_slices);
-    `only`: measure these GPU indices alone (a GPU after its reset, say)."""
-    keep = (lambda gpus: [g for g in gpus if g in only]) if only else list
+    `only`: measure these GPU indices alone (a GPU after its reset, say); `hosts`: every
+    planned host's slice, for the all_reduce across hosts where the plan uses a fabric."""
+
+    def keep(gpus):
+        return [g for g in gpus if g in only] if only else list(gpus)
+
     engines = [p for p in host["processes"] if p["is_engine"] and p["gpus"]]
     image = host["engine"]["runtime"] == "image"
     engine_env = {k: v for p in engines[:1] for k, v in p["env"].items()
@@ -33,7 +39,23 @@ def host_spec(host: dict, threshold: float = 0.8, timeout_s: int = 300,
         "gpus": keep((host.get("gpu") or {}).get("used", [])),
         "sizes_mib": SIZES_MIB, "threshold": threshold, "timeout_s": timeout_s,
         "mem_fraction": mem_fraction, "expect": expect, "env": {**engine_env, **(env or {})},
+        "ib_sysfs": ib_sysfs, "fabric": fabric(host, hosts or [], keep, port),
     }
+
+
+def fabric(host: dict, hosts: list, keep, port: int) -> dict | None:
+    """The all_reduce across every GPU host of the plan, where the plan moves data between
+    hosts (RDMA: over InfiniBand) or spans an MNNVL domain; None otherwise."""
+    gpu_hosts = [h for h in hosts if h.get("gpu") and keep(h["gpu"]["used"])]
+    if len(gpu_hosts) < 2 or host["name"] not in [h["name"] for h in gpu_hosts]:
+        return None
+    over = "mnnvl" if host.get("imex") else "ib" if host.get("rdma") else None
+    if over is None:
+        return None
+    return {"over": over, "hosts": [h["name"] for h in gpu_hosts],
+            "gpus_per_host": [len(keep(h["gpu"]["used"])) for h in gpu_hosts],
+            "node_rank": [h["name"] for h in gpu_hosts].index(host["name"]),
+            "master": gpu_hosts[0]["address"], "port": port}
 
 
 def rows(reports: dict[str, dict]) -> list[list[str]]:

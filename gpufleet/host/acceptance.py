@@ -65,7 +65,7 @@ def nccl_rank(a):
     import torch.distributed as dist
 
     torch.cuda.set_device(a.device)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{a.port}", rank=a.rank,
+    dist.init_process_group("nccl", init_method=f"tcp://{a.addr}:{a.port}", rank=a.rank,
                             world_size=a.world, timeout=datetime.timedelta(seconds=a.timeout))
     for mib in a.sizes:
         x = torch.empty(mib * MIB // 2, dtype=torch.bfloat16, device="cuda")
@@ -86,7 +86,7 @@ def nccl_rank(a):
                 dist.all_reduce(x)
             torch.cuda.synchronize()
             secs = min(secs, (time.perf_counter() - start) / iters)
-        if a.rank == 0:
+        if a.report:  # the first rank of each host
             algbw = mib * MIB / secs / GB
             print(json.dumps({"size_mib": mib, "time_us": round(secs * 1e6, 1),
                               "algbw_gbs": round(algbw, 1),
@@ -253,23 +253,33 @@ def verdict(measured, expected, threshold):
 
 
 def check_group(spec, group, evidence_of):
-    gpus, sizes = group["gpus"], spec.get("sizes_mib", [16, 128, 512, 1024])
+    """The all_reduce across one engine's GPUs on this host."""
     expect = {int(k): v for k, v in (spec.get("expect", {}).get("busbw_gbs") or {}).items()}
-    port, timeout = free_port(), spec.get("timeout_s", 300)
-    log(f"all_reduce across GPUs {','.join(map(str, gpus))} ({group['name']}), "
-        f"{len(sizes)} sizes up to {max(sizes)} MiB")
-    procs = [spawn(spec, ["nccl-rank", "--rank", str(r), "--world", str(len(gpus)),
-                          "--device", str(g), "--port", str(port),
-                          "--timeout", str(timeout), "--sizes", *map(str, sizes)])
+    return collective(spec, "nccl", group["name"], group["gpus"], 0, len(group["gpus"]),
+                      "127.0.0.1", free_port(), expect, lambda: cause(
+                          group["gpus"], evidence_of(group["gpus"])), lambda: cause(
+                          group["gpus"], evidence_of(group["gpus"]), hung=True))
+
+
+def collective(spec, kind, name, gpus, first, world, addr, port, expect, why, why_hung):
+    """Run the all_reduce ranks first.. of world on these GPUs; the figures as checks."""
+    sizes, timeout = spec.get("sizes_mib", [16, 128, 512, 1024]), spec.get("timeout_s", 300)
+    log(f"all_reduce {name} across GPUs {','.join(map(str, gpus))}"
+        + (f" as ranks {first}-{first + len(gpus) - 1} of {world}" if world > len(gpus)
+           else "") + f", {len(sizes)} sizes up to {max(sizes)} MiB")
+    procs = [spawn(spec, ["nccl-rank", "--rank", str(first + r), "--world", str(world),
+                          "--device", str(g), "--addr", addr, "--port", str(port),
+                          "--timeout", str(timeout), "--sizes", *map(str, sizes)]
+                   + (["--report"] if r == 0 else []))
              for r, g in enumerate(gpus)]
     hung, results = finish(procs, timeout)
     rows = [json.loads(ln) for ln in results[0][1].splitlines() if ln.startswith("{")]
-    base = {"kind": "nccl", "name": group["name"], "gpus": gpus}
+    base = {"kind": kind, "name": name, "gpus": gpus}
     if hung:
         return [{**base, "verdict": "FAIL", "size_mib": None,
-                 "detail": f"hung collective: the all_reduce across GPUs "
+                 "detail": f"hung collective: the all_reduce {name} across GPUs "
                            f"{','.join(map(str, gpus))} did not finish in {timeout} s "
-                           f"({cause(gpus, evidence_of(gpus), hung=True)})"}]
+                           f"({why_hung()})"}]
     if any(rc for rc, _o, _e in results) or len(rows) != len(sizes):
         return [{**base, "verdict": "FAIL", "size_mib": None,
                  "detail": f"the all_reduce failed: {last_error(results) or 'no result'}"}]
@@ -281,12 +291,100 @@ def check_group(spec, group, evidence_of):
         if not row["correct"]:
             result, detail = "FAIL", "the all_reduce returned a wrong sum"
         elif result == "FAIL":
-            detail = (f"bus bandwidth {ratio:.0%} of expected: "
-                      f"{cause(gpus, evidence_of(gpus))}")
+            detail = f"bus bandwidth {ratio:.0%} of expected: {why()}"
         checks.append({**base, "size_mib": row["size_mib"], "measured": row["busbw_gbs"],
                        "expected": expect.get(row["size_mib"]), "unit": "GB/s",
                        "ratio": ratio, "verdict": result, "detail": detail})
     return checks
+
+
+# NCCL all_reduce across hosts over InfiniBand: the share of the host's HCA line rate
+# (all ports x their rate) it reaches per message size, as nccl-tests runs between two
+# HGX nodes commonly report (derived, not measured here: no multi-node machine)
+IB_EFFICIENCY = {16: 0.45, 128: 0.75, 512: 0.88, 1024: 0.92}
+
+
+def hcas(sysfs):
+    """[(name, active, rate Gb/s)] of the host's HCA ports from sysfs."""
+    out = []
+    try:
+        names = sorted(os.listdir(sysfs))
+    except OSError:
+        return out
+    for name in names:
+        ports = os.path.join(sysfs, name, "ports")
+        for port in sorted(os.listdir(ports)) if os.path.isdir(ports) else []:
+            state = _read(os.path.join(ports, port, "state"))
+            rate = re.match(r"([\d.]+)", _read(os.path.join(ports, port, "rate")))
+            out.append((f"{name} port {port}", "ACTIVE" in state,
+                        float(rate.group(1)) if rate else 0.0))
+    return out
+
+
+def _read(path):
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def check_hcas(spec):
+    """Every HCA port up, at the rate of the fastest: a port down or trained at a lower
+    rate halves what NCCL and the KV transfer get (NCCL splits a collective equally over
+    its NICs, so the slowest one sets the pace)."""
+    ports = hcas(spec.get("ib_sysfs", "/sys/class/infiniband"))
+    if not ports:
+        return [{"kind": "hca", "name": "HCAs", "gpus": [], "verdict": "FAIL",
+                 "detail": f"no HCA in {spec.get('ib_sysfs')}: the plan moves data over "
+                           "RDMA; check the HCAs and their driver (ibstat)"}]
+    top = max(rate for _n, _a, rate in ports)
+    checks = []
+    for name, active, rate in ports:
+        detail = ""
+        if not active:
+            detail = f"{name} is down: check its cable and the switch port (ibstat)"
+        elif rate < top:
+            detail = (f"{name} at {rate:g} Gb/s, the others at {top:g}: a link trained "
+                      "down; reseat or replace the cable")
+        checks.append({"kind": "hca", "name": name, "gpus": [], "measured": rate,
+                       "expected": top, "unit": "Gb/s", "ratio": round(rate / top, 3) if
+                       active else 0.0, "verdict": "FAIL" if detail else "pass",
+                       "detail": detail})
+    return checks
+
+
+def check_fabric(spec, evidence_of):
+    """The all_reduce across every GPU host of the plan (one process per GPU, as a
+    multi-node engine runs), over the fabric the plan uses: InfiniBand against the
+    HCAs' line rate, or an MNNVL domain against the NVLink figures."""
+    fab = spec["fabric"]
+    gpus, counts, rank = spec["gpus"], fab["gpus_per_host"], fab["node_rank"]
+    if fab["over"] == "ib":
+        ports = hcas(spec.get("ib_sysfs", "/sys/class/infiniband"))
+        line = len(ports) * max([r for _n, _a, r in ports] or [0]) / 8  # GB/s
+        nvlink = {int(k): v for k, v in (spec.get("expect", {}).get("busbw_gbs") or {}).items()}
+        # the slower of the two paths a cross-host ring takes: NVLink inside, IB between
+        expect = {mib: round(min(line * eff, nvlink.get(mib, line)), 1)
+                  for mib, eff in IB_EFFICIENCY.items()}
+
+        def why():
+            bad = [c["detail"] for c in check_hcas(spec) if c["verdict"] == "FAIL"]
+            return "; ".join(bad) or (
+                "this host's HCAs are all up at full rate: see the other hosts' hca checks; "
+                + cause(gpus, evidence_of(gpus)))
+    else:
+        expect = {int(k): v for k, v in (spec.get("expect", {}).get("busbw_gbs") or {}).items()}
+
+        def why():
+            return cause(gpus, evidence_of(gpus)) + " (or another tray of the domain)"
+    hosts = ", ".join(fab["hosts"])
+    return collective(spec, "fabric", f"over {fab['over'].upper()} ({hosts})", gpus,
+                      sum(counts[:rank]), sum(counts), fab["master"], fab["port"], expect,
+                      why, lambda: f"a host of {hosts} did not join or the fabric hung: "
+                      "check that every host runs acceptance at once, the port "
+                      f"{fab['port']} between them, " + (
+                          "the HCAs (ibstat)" if fab["over"] == "ib" else "IMEX"))
 
 
 def check_gpus(spec, evidence_of):
@@ -372,6 +470,10 @@ def run(spec):
     for group in spec.get("groups", []):
         if len(group["gpus"]) > 1:
             checks += check_group(spec, group, evidence_of)
+    if (spec.get("fabric") or {}).get("over") == "ib":
+        checks += check_hcas(spec)
+    if spec.get("fabric"):
+        checks += check_fabric(spec, evidence_of)
     checks += check_gpus(spec, evidence_of)
     checks += check_dcgm()
     return {"host": spec.get("host") or socket.gethostname(), "threshold":
@@ -418,6 +520,8 @@ def main(argv=None):
     for name in ("--rank", "--world", "--device", "--port", "--timeout"):
         n.add_argument(name, type=int, required=True)
     n.add_argument("--sizes", type=int, nargs="+", required=True)
+    n.add_argument("--addr", default="127.0.0.1", help="where rank 0 listens")
+    n.add_argument("--report", action="store_true", help="print the figures")
     g = sub.add_parser("gpu-check")
     g.add_argument("--device", type=int, required=True)
     g.add_argument("--mem-fraction", type=float, default=0.5)

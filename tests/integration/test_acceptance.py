@@ -62,7 +62,7 @@ def test_a_hung_collective_is_named_within_the_timeout(lab):
     inject({"nccl_hang": True})
     proc = fab("acceptance", *TARGET, "--while-serving", "--timeout", "5", "--gpus", "4,5,6,7")
     assert proc.returncode == 1
-    assert ("hung collective: the all_reduce across GPUs 4,5,6,7 did not finish in 5 s"
+    assert ("hung collective: the all_reduce decode across GPUs 4,5,6,7 did not finish in 5 s"
             in proc.stdout)
     assert "nccl prefill" not in proc.stdout  # --gpus: the decode GPUs alone
     assert ssh("lab1", "pgrep -f 'acceptance.py nccl-rank' || echo none").strip() == "none"

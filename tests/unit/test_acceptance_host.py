@@ -9,6 +9,7 @@ import glob
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -38,9 +39,9 @@ class Host:
     """A 2x H200 lab host (profile h200x2: NV18, the fabric up) rendered under tmp, with
     an engine environment whose Python imports the torch stand-in."""
 
-    def __init__(self, root: Path, profile: str = "h200x2"):
+    def __init__(self, root: Path, profile: str = "h200x2", name: str = "lab1"):
         self.root = root
-        for path, (content, mode) in hwsim.render(profile, [], "lab1").items():
+        for path, (content, mode) in hwsim.render(profile, [], name).items():
             dest = root / path.lstrip("/")
             dest.parent.mkdir(parents=True, exist_ok=True)
             dest.write_bytes(content)
@@ -63,7 +64,7 @@ class Host:
         self.env = {"PATH": f"{self.bin}:/usr/bin:/bin", "GPUFLEET_LAB_ROOT": str(root),
                     "LANG": "C.UTF-8"}
         expect = catalog.load().hardware["h200"].acceptance
-        self.spec = {"host": "lab1", "python": str(self.python),
+        self.spec = {"host": name, "python": str(self.python),
                      "groups": [{"name": "worker", "gpus": [0, 1]}], "gpus": [0, 1],
                      "sizes_mib": SIZES_MIB, "threshold": 0.8, "timeout_s": 30,
                      "expect": expect.model_dump(exclude={"source"}),
@@ -74,12 +75,22 @@ class Host:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(faults))
 
+    def start(self, interpreter: str = sys.executable, **spec) -> subprocess.Popen:
+        proc = subprocess.Popen([interpreter, "-I", "-B", str(PROGRAM), "run", "--spec", "-",
+                                 "--json"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, env=self.env, text=True)
+        proc.stdin.write(json.dumps({**self.spec, **spec}))
+        proc.stdin.close()
+        return proc
+
+    @staticmethod
+    def result(proc: subprocess.Popen) -> tuple[int, dict, str]:
+        out, err = proc.stdout.read(), proc.stderr.read()
+        proc.wait(timeout=100)
+        return proc.returncode, json.loads(out) if out.strip() else {}, err
+
     def run(self, interpreter: str = sys.executable, **spec) -> tuple[int, dict, str]:
-        proc = subprocess.run([interpreter, "-I", "-B", str(PROGRAM), "run", "--spec", "-",
-                               "--json"], input=json.dumps({**self.spec, **spec}), env=self.env,
-                              capture_output=True, text=True, timeout=100)
-        report = json.loads(proc.stdout) if proc.stdout.strip() else {}
-        return proc.returncode, report, proc.stderr
+        return self.result(self.start(interpreter, **spec))
 
     def failed(self, report: dict) -> list[dict]:
         return [c for c in report["checks"] if c["verdict"] == "FAIL"]
@@ -126,7 +137,7 @@ def test_a_hung_collective_is_stopped_at_the_timeout_and_named(host):
     assert code == 1
     (hung,) = [c for c in report["checks"] if c["kind"] == "nccl"]
     assert hung["verdict"] == "FAIL"
-    assert "hung collective: the all_reduce across GPUs 0,1 did not finish in 3 s" in hung[
+    assert "hung collective: the all_reduce worker across GPUs 0,1 did not finish in 3 s" in hung[
         "detail"]
     assert "fabric manager" in hung["detail"]  # no link down: where to look next
     left = subprocess.run(["pgrep", "-f", f"{PROGRAM} nccl-rank"], capture_output=True)
@@ -179,3 +190,40 @@ def test_pytorch_finds_only_the_gpus_whose_device_node_it_sees(host):
     (host.root / "dev/nvidia1").unlink()  # a container given GPU 0 alone by CDI
     code, _, err = host.run()
     assert code == 2 and "sees 1 GPUs; the plan uses GPU 1" in err
+
+
+def test_the_all_reduce_across_two_hosts_runs_at_the_hcas_rate_and_a_slow_port_is_named(
+        tmp_path):
+    hosts = [Host(tmp_path / name, "h200x8", name) for name in ("lab1", "lab2")]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+
+    def both():
+        procs = [h.start(gpus=[0, 1], groups=[], ib_sysfs=str(
+            h.root / "etc/gpufleet-lab/sys/class/infiniband"), fabric={
+            "over": "ib", "hosts": ["lab1", "lab2"], "gpus_per_host": [2, 2], "node_rank": i,
+            "master": "127.0.0.1", "port": port}) for i, h in enumerate(hosts)]
+        return [Host.result(p) for p in procs]
+
+    for code, report, err in both():
+        assert code == 0, err
+        fabric = [c for c in report["checks"] if c["kind"] == "fabric"]
+        assert [c["size_mib"] for c in fabric] == SIZES_MIB
+        assert all(c["verdict"] == "pass" and c["name"] == "over IB (lab1, lab2)" for c in fabric)
+        # 8 HCAs x 400 Gb/s, as much as NVLink inside the host lets through
+        assert fabric[-1]["expected"] == pytest.approx(min(400 * 0.92, 329))
+        hca = [c for c in report["checks"] if c["kind"] == "hca"]
+        assert len(hca) == 8 and all(c["verdict"] == "pass" for c in hca)
+
+    rate = hosts[1].root / "etc/gpufleet-lab/sys/class/infiniband/mlx5_3/ports/1/rate"
+    rate.write_text("100 Gb/sec (4X HDR)\n")  # one port of lab2 trained down
+    (one, two) = both()
+    assert one[0] == two[0] == 1
+    for _code, report, _err in (one, two):
+        slow = [c for c in report["checks"] if c["kind"] == "fabric" and c["size_mib"] == 1024]
+        assert slow[0]["verdict"] == "FAIL" and slow[0]["ratio"] < 0.5
+    (named,) = [c for c in two[1]["checks"] if c["verdict"] == "FAIL" and c["kind"] == "hca"]
+    assert named["detail"].startswith("mlx5_3 port 1 at 100 Gb/s, the others at 400")
+    lab1_fabric = next(c for c in one[1]["checks"] if c["kind"] == "fabric")
+    assert "see the other hosts' hca checks" in lab1_fabric["detail"]

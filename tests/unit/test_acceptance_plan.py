@@ -76,3 +76,19 @@ def test_the_report_has_a_row_per_check_and_names_each_failure_with_its_host():
     assert acceptance.failures(reports) == [
         "node1: nccl decode: GPU 5: NVLink links 0,1 inactive",
         "node2: PyTorch does not load"]
+
+
+def test_hosts_that_move_data_over_rdma_get_the_all_reduce_across_them():
+    hosts = slices("h200-disagg", "inventories/h200")
+    every = list(hosts.values())
+    specs = [acceptance.host_spec(h, hosts=every, port=30001, only=[0, 1]) for h in every
+             if h.get("gpu")]
+    assert [s["fabric"]["node_rank"] for s in specs] == [0, 1]
+    for spec in specs:
+        assert spec["fabric"] == {**spec["fabric"], "over": "ib", "port": 30001,
+                                  "hosts": ["h200-node1", "h200-node2"],
+                                  "gpus_per_host": [2, 2], "master": "192.0.2.11"}
+    # one GPU host, or no host list: nothing across hosts
+    single = next(h for h in slices("h200-pd-1node").values() if h.get("gpu"))
+    assert acceptance.host_spec(single, hosts=[single])["fabric"] is None
+    assert acceptance.host_spec(every[0])["fabric"] is None

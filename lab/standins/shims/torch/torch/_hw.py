@@ -72,21 +72,56 @@ def link_share(physical):
     return max(0.0, (links - len(down)) / links)
 
 
-def busbw(nbytes, physicals):
-    """GB/s an all_reduce of nbytes reaches across these GPUs."""
+# NCCL over InfiniBand between hosts: the share of a host's HCA line rate (ports x rate)
+# an all_reduce reaches per message size; NCCL splits the data equally over the NICs, so
+# the slowest active port sets every port's pace
+IB_EFFICIENCY = {16: 0.45, 128: 0.75, 512: 0.88, 1024: 0.92}
+
+
+def _curve(table, mib):
+    sizes = sorted(table)
+    lo = max([s for s in sizes if s <= mib] or sizes[:1])
+    hi = min([s for s in sizes if s >= mib] or sizes[-1:])
+    if lo == hi:
+        return table[lo] * (mib / lo if mib < lo else 1.0)
+    t = (math.log2(mib) - math.log2(lo)) / (math.log2(hi) - math.log2(lo))
+    return table[lo] + t * (table[hi] - table[lo])
+
+
+def ib_line_gbs():
+    """GB/s NCCL can drive over this host's HCAs: active ports x the slowest one's rate."""
+    base = _path("/etc/gpufleet-lab/sys/class/infiniband")
+    rates = []
+    for name in sorted(os.listdir(base)) if os.path.isdir(base) else []:
+        port = os.path.join(base, name, "ports", "1")
+        try:
+            with open(os.path.join(port, "state")) as f:
+                active = "ACTIVE" in f.read()
+            with open(os.path.join(port, "rate")) as f:
+                rate = float(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue
+        if active:
+            rates.append(rate)
+    return len(rates) * min(rates) / 8 if rates else 0.0
+
+
+def rank_info(physical):
+    """What the other ranks need to know of this one to time a collective."""
+    return {"host": hw().get("hostname", ""), "share": link_share(physical),
+            "ib_gbs": ib_line_gbs(), "mnnvl": bool(hw().get("imex"))}
+
+
+def busbw(nbytes, infos):
+    """GB/s an all_reduce of nbytes reaches across these ranks (rank_info of each)."""
     spec = hw().get("gpu", {})
     speed = float(str(spec.get("nvlink_speed", "25 GB/s")).split()[0])
     per_gpu = int(spec.get("nvlink_links", 0) or 0) * speed or 25.0
     mib = max(nbytes / 2**20, 1)
-    sizes = sorted(EFFICIENCY)
-    lo = max([s for s in sizes if s <= mib] or sizes[:1])
-    hi = min([s for s in sizes if s >= mib] or sizes[-1:])
-    if lo == hi:
-        eff = EFFICIENCY[lo] * (mib / lo if mib < lo else 1.0)
-    else:
-        t = (math.log2(mib) - math.log2(lo)) / (math.log2(hi) - math.log2(lo))
-        eff = EFFICIENCY[lo] + t * (EFFICIENCY[hi] - EFFICIENCY[lo])
-    return per_gpu * eff * min(link_share(p) for p in physicals)
+    bw = per_gpu * _curve(EFFICIENCY, mib) * min(i["share"] for i in infos)
+    if len({i["host"] for i in infos}) > 1 and not all(i["mnnvl"] for i in infos):
+        bw = min(bw, min(i["ib_gbs"] for i in infos) * _curve(IB_EFFICIENCY, mib))
+    return bw
 
 
 class Timeline:

@@ -1,7 +1,8 @@
 """torch.distributed for the lab's torch stand-in: the ranks of one host meet at the
 init_method address (rank 0 listens there, as NCCL's TCP store does) and add up their
 collectives' values when they synchronize; each all_reduce takes its time on the GPU
-timeline at the bus bandwidth of the group's slowest GPU (_hw.busbw). A host with the
+timeline at the bus bandwidth of the group's slowest GPU, and across hosts (not one MNNVL
+domain) of the slowest host's HCAs (_hw.busbw). A host with the
 `nccl_hang` fault never finishes a collective, as a real hung NCCL ring never does."""
 
 import json
@@ -31,15 +32,15 @@ class _Rendezvous(threading.Thread):
                     return
                 msgs.append(json.loads(line))
             sums = [sum(vals) for vals in zip(*(m["values"] for m in msgs), strict=True)]
-            devices = sorted({d for m in msgs for d in m.get("devices", [])})
+            infos = [m["info"] for m in msgs if m.get("info")]
             for conn in conns:
-                conn.write(json.dumps({"sums": sums, "devices": devices}) + "\n")
+                conn.write(json.dumps({"sums": sums, "infos": infos}) + "\n")
                 conn.flush()
 
 
-def _round(values, devices=()):
+def _round(values, info=None):
     conn = _group["conn"]
-    conn.write(json.dumps({"values": values, "devices": list(devices)}) + "\n")
+    conn.write(json.dumps({"values": values, "info": info}) + "\n")
     conn.flush()
     line = conn.readline()
     if not line:
@@ -67,8 +68,7 @@ def init_process_group(backend="nccl", init_method=None, rank=0, world_size=1, t
             time.sleep(0.05)
     sock.settimeout(None)
     _group.update(conn=sock.makefile("rw"), rank=rank, world=world_size, pending=[])
-    physical = cuda._physical()
-    _group["devices"] = _round([], [physical])["devices"]
+    _group["infos"] = _round([], _hw.rank_info(cuda._physical()))["infos"]
 
 
 def get_rank():
@@ -85,7 +85,7 @@ def all_reduce(tensor, op=None):
         return
     nbytes = tensor.numel() * tensor.dtype.itemsize
     world = _group["world"]
-    seconds = nbytes * 2 * (world - 1) / world / (_hw.busbw(nbytes, _group["devices"]) * _hw.GB)
+    seconds = nbytes * 2 * (world - 1) / world / (_hw.busbw(nbytes, _group["infos"]) * _hw.GB)
     _hw.TIMELINE.enqueue(seconds)
     _group["pending"].append(tensor)
 

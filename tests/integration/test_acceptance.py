@@ -7,9 +7,10 @@ GPUs 0-3, decode on 4-7) and leaves it serving again."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
-from labutil import fab, lab_inventory, ssh
+from labutil import fab, playbook, recap, ssh
 
 pytestmark = pytest.mark.lab
 
@@ -68,18 +69,32 @@ def test_a_hung_collective_is_named_within_the_timeout(lab):
     assert ssh("lab1", "pgrep -f 'acceptance.py nccl-rank' || echo none").strip() == "none"
 
 
-def test_the_deploy_gate_stops_before_the_checkpoint_and_passes_once_healthy(lab, tmp_path):
-    inventory = lab_inventory(tmp_path, {"gpufleet_acceptance_gate": True})
-    ssh("lab1", f"systemctl stop {ENGINES}", check=True)  # a host not yet serving
-    inject({"nvlink_inactive": {"1": list(range(12))}})
-    proc = fab("deploy", *TARGET, "-i", inventory)
-    assert proc.returncode == 1
-    assert "lab1 failed acceptance" in proc.stdout and "GPU 1: NVLink links 0,1" in proc.stdout
-    assert "TASK [Cache |" not in proc.stdout and "TASK [Serve |" not in proc.stdout  # stopped
-    assert ssh("lab1", f"systemctl is-active {ENGINES} || true").split() == ["inactive"] * 2
+def test_the_deploy_gate_stops_before_the_checkpoint_and_passes_once_healthy(lab):
+    # the gate sits between prepare and the checkpoint in site.yml
+    plays = playbook("site.yml", "--list-tasks", "-e", "gpufleet_target=h200-pd-1node")
+    order = re.findall(r"^\s*play #\d+ \(gpufleet_planned\): (\w+)", plays.stdout, re.M)
+    assert order.index("Acceptance") == order.index("Prepare") + 1, order
+    assert order.index("Cache") == order.index("Acceptance") + 1, order
 
-    inject(None)
-    proc = fab("deploy", *TARGET, "-i", inventory)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
-    assert "Acceptance | Gate | Every check passed" in proc.stdout
-    assert ssh("lab1", f"systemctl is-active {ENGINES}").split() == ["active"] * 2
+    gate = ("playbooks/acceptance.yml", "-e", "gpufleet_target=h200-pd-1node",
+            "-e", "acceptance_gate=true", "-e", "gpufleet_acceptance_gate=true")
+    proc = playbook(*gate)  # the engines serve: the gate leaves the host alone
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert "TASK [Acceptance | Measure" not in proc.stdout
+    assert recap(proc.stdout)["lab1"]["failed"] == 0
+
+    ssh("lab1", f"systemctl stop {ENGINES}", check=True)  # a host not yet serving
+    try:
+        inject({"nvlink_inactive": {"1": list(range(12))}})
+        proc = playbook(*gate)
+        assert proc.returncode == 2, proc.stdout[-3000:]
+        said = " ".join(proc.stdout.split())
+        assert "lab1 failed acceptance" in said and "GPU 1: NVLink links 0,1" in said
+        assert "The deploy stops before the checkpoint and the engines" in said
+
+        inject(None)
+        proc = playbook(*gate)
+        assert proc.returncode == 0, proc.stdout[-3000:]
+        assert recap(proc.stdout)["lab1"]["failed"] == 0
+    finally:
+        ssh("lab1", f"systemctl start {ENGINES}", check=True)

@@ -24,13 +24,20 @@ def inject(faults: dict | None):
         check=True)
 
 
+@pytest.fixture(scope="module")
+def serving(lab):
+    """h200-pd-1node serving on lab1 (after the modules before this one: a re-run)."""
+    proc = fab("deploy", *TARGET)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+
+
 @pytest.fixture(autouse=True)
 def no_faults_after():
     yield
     inject(None)
 
 
-def test_serving_gpus_are_refused_then_measured_with_the_faults_named(lab):
+def test_serving_gpus_are_refused_then_measured_with_the_faults_named(serving):
     proc = fab("acceptance", *TARGET)
     assert proc.returncode == 1
     assert "the engines serve on these GPUs" in proc.stdout and "--while-serving" in proc.stdout
@@ -59,7 +66,7 @@ def test_serving_gpus_are_refused_then_measured_with_the_faults_named(lab):
     assert ENGINES.split()[0] in ssh("lab1", "systemctl list-units --state=active gpufleet-*")
 
 
-def test_a_hung_collective_is_named_within_the_timeout(lab):
+def test_a_hung_collective_is_named_within_the_timeout(serving):
     inject({"nccl_hang": True})
     proc = fab("acceptance", *TARGET, "--while-serving", "--timeout", "5", "--gpus", "4,5,6,7")
     assert proc.returncode == 1
@@ -69,7 +76,7 @@ def test_a_hung_collective_is_named_within_the_timeout(lab):
     assert ssh("lab1", "pgrep -f 'acceptance.py nccl-rank' || echo none").strip() == "none"
 
 
-def test_the_deploy_gate_stops_before_the_checkpoint_and_passes_once_healthy(lab):
+def test_the_deploy_gate_stops_before_the_checkpoint_and_passes_once_healthy(serving):
     # the gate sits between prepare and the checkpoint in site.yml
     plays = playbook("site.yml", "--list-tasks", "-e", "gpufleet_target=h200-pd-1node")
     order = re.findall(r"^\s*play #\d+ \(gpufleet_planned\): (\w+)", plays.stdout, re.M)

@@ -312,6 +312,7 @@ def test_dynamo_over_rdma_is_refused_where_containers_cannot_lock_memory_then_se
         assert "docker.io/vllm/vllm-openai" not in kept, (host, records[host], kept)
 
 
+@pytest.mark.slow
 def test_amd_runs_sglang_from_the_rocm_image_by_default(lab):
     """An MI355X host: no runtime named, the plan runs SGLang's ROCm image (PyPI serves no
     ROCm build), the container gets /dev/kfd and /dev/dri, and the smoke test passes."""

@@ -212,10 +212,16 @@ def free_port():
         return s.getsockname()[1]
 
 
-def spawn(spec, args):
+def child_env(spec):
+    """The environment of the engine environment's processes: ours plus the spec's."""
     env = dict(os.environ)
     env.update(spec.get("env") or {})
-    return subprocess.Popen([spec["python"], os.path.abspath(__file__), *args], env=env,
+    return env
+
+
+def spawn(spec, args):
+    return subprocess.Popen([spec["python"], os.path.abspath(__file__), *args],
+                            env=child_env(spec),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
 
@@ -252,13 +258,18 @@ def verdict(measured, expected, threshold):
     return ratio, "pass" if ratio is not None and ratio >= threshold else "FAIL"
 
 
-def check_group(spec, group, evidence_of):
+def busbw_expected(spec):
+    """The profile's all_reduce bus bandwidth by message size (MiB) from the spec's JSON."""
+    return {int(k): v for k, v in (spec.get("expect", {}).get("busbw_gbs") or {}).items()}
+
+
+def check_group(spec, group, evidence):
     """The all_reduce across one engine's GPUs on this host."""
-    expect = {int(k): v for k, v in (spec.get("expect", {}).get("busbw_gbs") or {}).items()}
+    expect = busbw_expected(spec)
     return collective(spec, "nccl", group["name"], group["gpus"], 0, len(group["gpus"]),
                       "127.0.0.1", free_port(), expect, lambda: cause(
-                          group["gpus"], evidence_of(group["gpus"])), lambda: cause(
-                          group["gpus"], evidence_of(group["gpus"]), hung=True))
+                          group["gpus"], evidence()), lambda: cause(
+                          group["gpus"], evidence(), hung=True))
 
 
 def collective(spec, kind, name, gpus, first, world, addr, port, expect, why, why_hung):
@@ -354,7 +365,7 @@ def check_hcas(spec):
     return checks
 
 
-def check_fabric(spec, evidence_of):
+def check_fabric(spec, evidence):
     """The all_reduce across every GPU host of the plan (one process per GPU, as a
     multi-node engine runs), over the fabric the plan uses: InfiniBand against the
     HCAs' line rate, or an MNNVL domain against the NVLink figures."""
@@ -363,7 +374,7 @@ def check_fabric(spec, evidence_of):
     if fab["over"] == "ib":
         ports = hcas(spec.get("ib_sysfs", "/sys/class/infiniband"))
         line = len(ports) * max([r for _n, _a, r in ports] or [0]) / 8  # GB/s
-        nvlink = {int(k): v for k, v in (spec.get("expect", {}).get("busbw_gbs") or {}).items()}
+        nvlink = busbw_expected(spec)
         # the slower of the two paths a cross-host ring takes: NVLink inside, IB between
         expect = {mib: round(min(line * eff, nvlink.get(mib, line)), 1)
                   for mib, eff in IB_EFFICIENCY.items()}
@@ -372,12 +383,12 @@ def check_fabric(spec, evidence_of):
             bad = [c["detail"] for c in check_hcas(spec) if c["verdict"] == "FAIL"]
             return "; ".join(bad) or (
                 "this host's HCAs are all up at full rate: see the other hosts' hca checks; "
-                + cause(gpus, evidence_of(gpus)))
+                + cause(gpus, evidence()))
     else:
-        expect = {int(k): v for k, v in (spec.get("expect", {}).get("busbw_gbs") or {}).items()}
+        expect = busbw_expected(spec)
 
         def why():
-            return cause(gpus, evidence_of(gpus)) + " (or another tray of the domain)"
+            return cause(gpus, evidence()) + " (or another tray of the domain)"
     hosts = ", ".join(fab["hosts"])
     return collective(spec, "fabric", f"over {fab['over'].upper()} ({hosts})", gpus,
                       sum(counts[:rank]), sum(counts), fab["master"], fab["port"], expect,
@@ -387,7 +398,7 @@ def check_fabric(spec, evidence_of):
                           "the HCAs (ibstat)" if fab["over"] == "ib" else "IMEX"))
 
 
-def check_gpus(spec, evidence_of):
+def check_gpus(spec, evidence):
     gpus, expect = spec["gpus"], spec.get("expect", {})
     log(f"memory and matmul on GPUs {','.join(map(str, gpus))}")
     procs = [spawn(spec, ["gpu-check", "--device", str(g),
@@ -413,7 +424,7 @@ def check_gpus(spec, evidence_of):
                 result, detail = "FAIL", (f"matmul result wrong (relative error "
                                           f"{r['matmul_rel_err']}): reset the GPU")
             elif result == "FAIL":
-                detail = f"{ratio:.0%} of expected: {cause([g], evidence_of([g]))}"
+                detail = f"{ratio:.0%} of expected: {cause([g], evidence())}"
             checks.append({**base, "metric": metric, "measured": r[metric],
                            "expected": expect.get(metric), "unit": unit, "ratio": ratio,
                            "verdict": result, "detail": detail})
@@ -439,11 +450,9 @@ def torch_problems(spec):
     """PyTorch in the engine environment and the GPUs it sees: what stops every check."""
     probe = ("import json, torch; print(json.dumps([torch.__version__, "
              "torch.cuda.is_available() and torch.cuda.device_count()]))")
-    env = dict(os.environ)
-    env.update(spec.get("env") or {})
     try:
         res = subprocess.run([spec["python"], "-c", probe], capture_output=True, text=True,
-                             env=env, timeout=120)
+                             env=child_env(spec), timeout=120)
     except (OSError, subprocess.SubprocessError) as exc:
         return [f"{spec['python']}: {exc}"]
     if res.returncode:
@@ -461,7 +470,8 @@ def torch_problems(spec):
 def run(spec):
     cached = {}
 
-    def evidence_of(gpus):
+    def evidence():
+        """What nvidia-smi says about this host's GPUs: read once, when a check fails."""
         if "all" not in cached:
             cached["all"] = host_evidence(set(spec["gpus"]))
         return cached["all"]
@@ -469,12 +479,12 @@ def run(spec):
     checks = []
     for group in spec.get("groups", []):
         if len(group["gpus"]) > 1:
-            checks += check_group(spec, group, evidence_of)
+            checks += check_group(spec, group, evidence)
     if (spec.get("fabric") or {}).get("over") == "ib":
         checks += check_hcas(spec)
     if spec.get("fabric"):
-        checks += check_fabric(spec, evidence_of)
-    checks += check_gpus(spec, evidence_of)
+        checks += check_fabric(spec, evidence)
+    checks += check_gpus(spec, evidence)
     checks += check_dcgm()
     return {"host": spec.get("host") or socket.gethostname(), "threshold":
             spec.get("threshold", 0.8), "checks": checks,

@@ -661,7 +661,9 @@ def _host_requirements(plan: Plan, inventory: inv_mod.Inventory) -> dict[str, Ho
                         if "imex" in hw.host_software else None)
             req.rdma = bool(target.rdma or multi_node_engine)
             req.peermem = req.rdma and hw.vendor == "nvidia"
-            req.acceptance = hw.acceptance.model_dump() if hw.acceptance else None
+            # JSON-native (message sizes as strings): fab hands the plan to Ansible as JSON,
+            # the lookup computes it in place, and both must hash alike (gpufleet_role_inputs)
+            req.acceptance = hw.acceptance.model_dump(mode="json") if hw.acceptance else None
         out[name] = req
     return out
 

@@ -21,7 +21,8 @@ def test_each_engine_on_a_host_is_one_group_against_the_hardware_profile():
     assert spec["gpus"] == list(range(8))
     assert spec["python"] == "/opt/gpufleet/engines/vllm-0.33.0/bin/python"
     h200 = catalog.load().hardware["h200"].acceptance
-    assert spec["expect"] == {"busbw_gbs": h200.busbw_gbs, "tflops_bf16": h200.tflops_bf16,
+    busbw = {str(size): gbs for size, gbs in h200.busbw_gbs.items()}  # the plan is JSON
+    assert spec["expect"] == {"busbw_gbs": busbw, "tflops_bf16": h200.tflops_bf16,
                               "mem_write_gbs": h200.mem_write_gbs}
     assert (spec["threshold"], spec["timeout_s"]) == (0.9, 60)
     assert "CUDA_VISIBLE_DEVICES" not in spec["env"]  # the program picks GPUs by index

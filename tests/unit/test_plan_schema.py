@@ -4,6 +4,7 @@ every key the model produces."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -96,3 +97,12 @@ def test_docs_list_every_key_of_the_slice(produced):
     top = sorted({p.split(".")[1] for p in produced["gpufleet_host"]})
     missing = [k for k in top if f"`{k}`" not in doc]
     assert missing == [], f"docs/plan.md does not list {missing}"
+
+
+def test_every_plan_is_the_same_after_a_json_round_trip():
+    """fab hands Ansible the plan as JSON; ansible-playbook alone computes it in place
+    (lookup gpufleet_plan). The roles hash their slice (gpufleet_role_inputs), so anything
+    JSON changes (an integer key, a tuple) would make every role converge again on the
+    first run by the other path."""
+    for plan in plans():
+        assert json.loads(json.dumps(plan)) == plan, plan["target"]

@@ -17,7 +17,9 @@ from labutil import fab, ssh
 
 from gpufleet_lab import hosts as lab_hosts
 
-pytestmark = pytest.mark.lab
+# slow (about 3 minutes on a warm machine, where it builds a second root): on a fresh
+# machine every lab module boots from a root built from nothing anyway
+pytestmark = [pytest.mark.lab, pytest.mark.slow]
 
 
 def test_a_root_built_from_nothing_boots_and_takes_the_deploy(_lab_session, tmp_path_factory):

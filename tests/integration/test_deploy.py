@@ -86,6 +86,7 @@ def test_one_changed_flag_restarts_only_its_unit(lab):
     assert "--max-num-seqs 256" in ssh("lab1", "systemctl show -p ExecStart gpufleet-decode")
 
 
+@pytest.mark.slow  # about a minute; tests/unit/test_smoke.py names it without the lab
 def test_without_the_tool_call_parser_the_smoke_test_names_it(lab):
     proc = fab("deploy", "--target", "h200-pd-1node", "--unset", "engines:--tool-call-parser",
                "--unset", "engines:--enable-auto-tool-choice")

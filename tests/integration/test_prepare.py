@@ -116,6 +116,7 @@ def test_check_diff_changes_nothing_on_the_hosts(converged):
     assert ours == [], ours
 
 
+@pytest.mark.slow  # about 2 minutes: the roles' own scenario, what the tests above prove
 def test_molecule_scenario_converges_is_idempotent_and_verifies(converged):
     """The roles' molecule scenario (molecule/default) on the lab hosts."""
     proc = subprocess.run([str(BIN / "molecule"), "test"], cwd=ROOT, capture_output=True,

@@ -81,7 +81,14 @@ def failed_in(task: str, role: str) -> bool:
     return task.startswith(f"{role} : ") or task.endswith(f": {role}")
 
 
-@pytest.fixture(scope="module", params=sorted(FAULTS))
+# --slow (about 2 minutes): three more preflight refusals of the same kind as driver-old
+# and ib-down, which run every time with one fault per role that names its own
+SLOW = {"gpu-missing", "no-ib", "disk-small"}
+
+
+@pytest.fixture(scope="module", params=[
+    pytest.param(f, id=f, marks=pytest.mark.slow) if f in SLOW else pytest.param(f, id=f)
+    for f in sorted(FAULTS)])
 def faulty_run(request, lab):
     fault = request.param
     profile, target, extra, _, _ = FAULTS[fault]

@@ -17,11 +17,12 @@ from gpufleet_lab import hosts as lab_hosts
 
 pytestmark = pytest.mark.lab
 
-# b200x8 (Blackwell HGX: the NVLink subnet manager) runs with --slow: it repeats the
-# NVSwitch path test_prepare.py covers on h200x8, with nvlsm added
+# --slow (about 4 minutes): b200x8 (Blackwell HGX: the NVLink subnet manager) repeats the
+# NVSwitch path test_prepare.py covers on h200x8, with nvlsm added; gb200x4 (IMEX) is also
+# prepared by test_prepare_faults.py's imex-down case, which runs every time
 PROFILES = [
     pytest.param(("b200x8", "b200-pd-1node"), marks=pytest.mark.slow, id="b200x8"),
-    pytest.param(("gb200x4", "gb200-agg"), id="gb200x4"),
+    pytest.param(("gb200x4", "gb200-agg"), marks=pytest.mark.slow, id="gb200x4"),
 ]
 
 

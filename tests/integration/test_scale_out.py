@@ -145,6 +145,7 @@ def test_a_rolling_restart_under_load_restarts_every_decode_and_loses_almost_not
     assert len(results) > 100 and failed <= 0.01 * len(results), (failed, len(results))
 
 
+@pytest.mark.slow  # about 80 s: one more deploy of the pool
 def test_a_lower_count_stops_exactly_the_dropped_workers(pool):
     inv, client = pool
     kept = {h: main_pids(h) for h in ADDRESS}

@@ -388,6 +388,13 @@ class Stats:
             self.cuts = 0
             self.cdn_requests = 0
             self.cdn_requests_with_authorization = 0
+            self.streams = 0  # file bodies being sent now
+            self.max_streams = 0  # the most at once since the reset
+
+    def streaming(self, delta: int):
+        with self.lock:
+            self.streams += delta
+            self.max_streams = max(self.max_streams, self.streams)
 
     def request(self, method: str, path: str, status: int):
         with self.lock:
@@ -415,6 +422,7 @@ class Stats:
                 "cuts": self.cuts,
                 "cdn_requests": self.cdn_requests,
                 "cdn_requests_with_authorization": self.cdn_requests_with_authorization,
+                "max_streams": self.max_streams,
                 "files": copy.deepcopy(self.files),
                 "requests": dict(self.requests),
                 "statuses": dict(self.statuses),
@@ -767,7 +775,11 @@ class Handler(BaseHTTPRequestHandler):
         self.mirror.stats.request(self.command, urlsplit(self.path).path, status)
         if self.command == "HEAD":
             return
-        self._stream(f, key, start, end)
+        self.mirror.stats.streaming(1)
+        try:
+            self._stream(f, key, start, end)
+        finally:
+            self.mirror.stats.streaming(-1)
 
     def _stream(self, f: RepoFile, key: str, start: int, end: int):
         cut = self.mirror.take_cut(key, start, end)

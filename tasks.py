@@ -94,6 +94,19 @@ def _results(report: dict, register_task: str) -> dict[str, dict]:
     return out
 
 
+def _host_json(report: dict, register_task: str, ok_key: str) -> dict[str, dict]:
+    """host -> the JSON the named task printed; a host whose task printed none gets
+    ``{ok_key: False, "checks": [], "error": <its last line of stderr, or Ansible's msg>}``."""
+    out: dict[str, dict] = {}
+    for host, r in _results(report, register_task).items():
+        try:
+            out[host] = json.loads(r.get("stdout") or "")
+        except ValueError:
+            said = (r.get("stderr") or r.get("msg") or "").strip().splitlines()
+            out[host] = {ok_key: False, "checks": [], "error": said[-1] if said else "no output"}
+    return out
+
+
 def _unreachable(report: dict) -> list[str]:
     stats = report.get("stats", {})
     return [h for h, s in stats.items() if s.get("unreachable") or s.get("failures")]
@@ -319,12 +332,7 @@ def health(c, target=None, inventory=DEFAULT_INVENTORY, format="text"):
     """Run the health checker on every host now, in parallel; non-zero if anything is sick."""
     p = _plan(target, inventory)
     _rc, report = _ansible("playbooks/health_report.yml", p, inventory, capture=True)
-    results = {}
-    for host, r in _results(report, "Health report | Run the checker").items():
-        try:
-            results[host] = json.loads(r.get("stdout") or "")
-        except ValueError:
-            results[host] = {"healthy": False, "checks": [], "error": r.get("msg", "no output")}
+    results = _host_json(report, "Health report | Run the checker", "healthy")
     bad = [h for h in _unreachable(report) if h not in results]
     if format == "json":
         print(json.dumps({"hosts": results, "unreachable": bad}, indent=2))
@@ -358,13 +366,7 @@ def acceptance(c, target=None, inventory=DEFAULT_INVENTORY, threshold=0.8, timeo
                             "acceptance_while_serving": bool(while_serving),
                             "acceptance_gpus": [int(g) for g in gpus.split(",") if g.strip()]},
                            capture=True)
-    reports = {}
-    for host, r in _results(report, "Acceptance | Measure (minutes; one process per GPU)").items():
-        try:
-            reports[host] = json.loads(r.get("stdout") or "")
-        except ValueError:
-            said = (r.get("stderr") or r.get("msg") or "no output").strip().splitlines()
-            reports[host] = {"passed": False, "checks": [], "error": said[-1]}
+    reports = _host_json(report, "Acceptance | Measure (minutes; one process per GPU)", "passed")
     for host in _unreachable(report):
         if host not in reports:
             reports[host] = {"passed": False, "checks": [], "error": _failure(report, host)}

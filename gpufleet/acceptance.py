@@ -46,16 +46,15 @@ def host_spec(host: dict, threshold: float = 0.8, timeout_s: int = 300,
 def fabric(host: dict, hosts: list, keep, port: int) -> dict | None:
     """The all_reduce across every GPU host of the plan, where the plan moves data between
     hosts (RDMA: over InfiniBand) or spans an MNNVL domain; None otherwise."""
-    gpu_hosts = [h for h in hosts if h.get("gpu") and keep(h["gpu"]["used"])]
-    if len(gpu_hosts) < 2 or host["name"] not in [h["name"] for h in gpu_hosts]:
-        return None
+    used = {h["name"]: keep(h["gpu"]["used"]) for h in hosts if h.get("gpu")}
+    gpu_hosts = [h for h in hosts if used.get(h["name"])]
+    names = [h["name"] for h in gpu_hosts]
     over = "mnnvl" if host.get("imex") else "ib" if host.get("rdma") else None
-    if over is None:
+    if len(names) < 2 or host["name"] not in names or over is None:
         return None
-    return {"over": over, "hosts": [h["name"] for h in gpu_hosts],
-            "gpus_per_host": [len(keep(h["gpu"]["used"])) for h in gpu_hosts],
-            "node_rank": [h["name"] for h in gpu_hosts].index(host["name"]),
-            "master": gpu_hosts[0]["address"], "port": port}
+    return {"over": over, "hosts": names, "gpus_per_host": [len(used[n]) for n in names],
+            "node_rank": names.index(host["name"]), "master": gpu_hosts[0]["address"],
+            "port": port}
 
 
 def rows(reports: dict[str, dict]) -> list[list[str]]:

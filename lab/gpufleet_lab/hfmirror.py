@@ -376,7 +376,7 @@ class Cut:
 
 class Stats:
     def __init__(self):
-        self.lock = threading.Lock()
+        self.lock = threading.Condition()
         self.reset()
 
     def reset(self):
@@ -395,6 +395,7 @@ class Stats:
         with self.lock:
             self.streams += delta
             self.max_streams = max(self.max_streams, self.streams)
+            self.lock.notify_all()
 
     def request(self, method: str, path: str, status: int):
         with self.lock:
@@ -415,8 +416,11 @@ class Stats:
             self.cdn_requests += 1
             self.cdn_requests_with_authorization += 1 if authorization else 0
 
-    def snapshot(self) -> dict:
+    def snapshot(self, settle: float = 5.0) -> dict:
+        """The counts, once no body is being sent (up to ``settle`` seconds): a body is
+        counted after its last byte is written, which its client may have read before."""
         with self.lock:
+            self.lock.wait_for(lambda: self.streams == 0, timeout=settle)
             return {
                 "bytes_sent": self.bytes_sent,
                 "cuts": self.cuts,

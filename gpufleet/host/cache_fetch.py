@@ -972,8 +972,9 @@ class Fetch:
 
     def ranged(self, url: str, auth: str | None, first: int, last: int, budget: Budget,
                take) -> None:
-        """Bytes first..last, each read handed to ``take(view, offset)``, which returns how
-        many it kept; a failed request resumes from the byte it reached."""
+        """Bytes first..last: ``take(resp, offset)`` reads from the response the bytes at
+        ``offset`` on and returns how many; a failed request resumes from the byte it
+        reached."""
         got = first
         while got <= last:
             budget.check_lock()

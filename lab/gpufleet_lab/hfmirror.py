@@ -377,6 +377,7 @@ class Cut:
 class Stats:
     def __init__(self):
         self.lock = threading.Condition()
+        self.streams = 0  # file bodies being sent now: live state, which reset keeps
         self.reset()
 
     def reset(self):
@@ -388,8 +389,7 @@ class Stats:
             self.cuts = 0
             self.cdn_requests = 0
             self.cdn_requests_with_authorization = 0
-            self.streams = 0  # file bodies being sent now
-            self.max_streams = 0  # the most at once since the reset
+            self.max_streams = self.streams  # the most at once since the reset
 
     def streaming(self, delta: int):
         with self.lock:

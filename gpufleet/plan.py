@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 from types import SimpleNamespace
+from urllib.parse import quote
 from typing import Any
 
 from pydantic import ValidationError
@@ -201,6 +202,9 @@ def compose(
     pool, pool_problems = _pool(topology, hardware, inventory, ov)
     if pool_problems:
         raise PlanError(pool_problems)
+    if ov.pooled and ov.api_key and engine.pool_routers > 1:  # routers behind the gateway
+        (router,) = [s for s in topology.processes if s.role == "router"]
+        pool["router"] = [(inventory.group(router.group)[0], [])] * engine.pool_routers
 
     runtime, image = _runtime(catalog, target, hardware, ov, problems)
     if problems:
@@ -208,11 +212,14 @@ def compose(
     revision = ov.model_revision or model.revision
     cache = _cache(ov, model, draft, revision, catalog)
     processes, fronts = [], []
-    for replica in _place(target, topology, hardware, inventory, ov, pool):
+    for replica in _place(target, topology, hardware, inventory, ov, pool,
+                          engine.pool_router_ports if ov.pooled else {}):
         front = _front(replica)
         if ov.api_key:
             replica.append(_gateway(front))
-            front.bind = "127.0.0.1"
+            for p in replica:
+                if p.role == "router":
+                    p.bind = "127.0.0.1"
         _render(replica, roles, target, model, draft, engine, catalog, cache, ov,
                 in_image=image is not None)
         processes += replica
@@ -222,7 +229,7 @@ def compose(
         target=target, model=model, engine=engine, hardware=hardware,
         processes=processes, hosts={}, cache=cache, endpoint=_endpoint(fronts[0]),
         warnings=[], options=list(ov.options), inventory=inventory.source,
-        api=_api(ov, inventory), endpoints=[_endpoint(f) for f in fronts],
+        api=_api(ov, inventory, processes), endpoints=[_endpoint(f) for f in fronts],
     )
     plan.hosts = _host_requirements(plan, inventory)
     if image is None:
@@ -342,13 +349,13 @@ def _check_inventory(target, topology, hardware, inventory, replicas=False,
 
 
 def _place(target, topology, hardware, inventory, ov: Overrides,
-           pool: dict | None = None) -> list[list[Process]]:
+           pool: dict | None = None, router_ports: dict | None = None) -> list[list[Process]]:
     """The processes of each copy: one list, or one per host with replicas."""
     if ov.replicas and list(topology.groups.values()) == [1]:
         (group,) = topology.groups
         return [_place_one(target, topology, hardware, inventory, ov, {group: [host]})
                 for host in inventory.group(group)]
-    return [_place_one(target, topology, hardware, inventory, ov, None, pool)]
+    return [_place_one(target, topology, hardware, inventory, ov, None, pool, router_ports)]
 
 
 def _role_gpus(spec, hardware, ov: Overrides) -> list[int]:
@@ -419,7 +426,8 @@ def _pool(topology, hardware, inventory, ov: Overrides):
 
 
 def _place_one(target, topology, hardware, inventory, ov: Overrides,
-               only: dict | None, pool: dict | None = None) -> list[Process]:
+               only: dict | None, pool: dict | None = None,
+               router_ports: dict | None = None) -> list[Process]:
     processes: list[Process] = []
     for spec in topology.processes:
         # (name, host, GPUs, port shift, node rank) of each process of this spec
@@ -436,7 +444,8 @@ def _place_one(target, topology, hardware, inventory, ov: Overrides,
             seats = [(spec.role if len(placed) == 1 else f"{spec.role}-{rank}", host,
                       _role_gpus(spec, hardware, ov), 0, rank)
                      for rank, host in enumerate(placed)]
-        ports = {**spec.ports, **ov.ports.get(spec.role, {})}
+        ports = {**spec.ports, **((router_ports or {}) if spec.role == "router" else {}),
+                 **ov.ports.get(spec.role, {})}
         for name, host, gpus, shift, rank in seats:
             processes.append(Process(
                 name=name, role=spec.role, host=host.name, address=host.address, argv=[],
@@ -557,6 +566,31 @@ def _render(processes, roles, target, model, draft, engine, catalog, cache, ov,
         p.readiness = _readiness(p, target, model)
         if len(pools.get(p.role, [])) > 1 and engine.pool_rejoin_s:  # back in its pool
             p.readiness["rejoin_s"] = engine.pool_rejoin_s
+    routers = [p for p in processes if p.role == "router"]
+    if len(routers) > 1:  # behind the gateway, which a rolling restart tells to skip one
+        for r in routers:
+            r.readiness["upstream"] = f"127.0.0.1:{r.ports['http']}"
+        for p in processes:
+            if len(pools.get(p.role, [])) > 1 and engine.pool_leave:
+                p.readiness["pool"] = _pool_moves(p, routers, engine.pool_leave)
+
+
+def _pool_moves(p: Process, routers: list[Process], leave: str) -> dict:
+    """How a rolling restart moves a worker out of its routers' pools and back: each
+    router's call that takes it out (the worker named as in the router's flags), then every
+    router restarted in turn, each waited for before the next (restart_unit.yml)."""
+    url = _ns(p, routers[0]).url
+    assert all(_ns(p, r).url == url for r in routers)  # the routers share a host
+    return {
+        "url": url,
+        "type": p.role,
+        "leave": [{"host": r.host, "url": f"http://127.0.0.1:{r.ports['http']}"
+                   + leave.format(url=quote(url, safe=""))} for r in routers],
+        # readiness.upstream: the router's line in the gateway
+        "routers": [{"host": r.host, "unit": r.unit, "readiness": r.readiness,
+                     "workers_url": f"http://127.0.0.1:{r.ports['http']}/workers"}
+                    for r in routers],
+    }
 
 
 def _readiness(p: Process, target, model) -> dict:
@@ -604,14 +638,17 @@ def _gateway(front: Process) -> Process:
         gpus=[], order=START_ORDER["gateway"], readiness={}, bind=front.address)
 
 
-def _api(ov: Overrides, inventory) -> dict:
+def _api(ov: Overrides, inventory, processes: list[Process]) -> dict:
     if not ov.api_key:
         return {"key_required": False}
     # a pool behind the router: the gateway sends a request the router failed to it again
+    # (to the next router where there are several: one of them may be restarting)
     return {"key_required": True,
             "key_file": ov.api_key_file or api_key_path(inventory.source),
             "gateway_conf_dir": GATEWAY_CONF_DIR,
-            "retries": GATEWAY_RETRIES if ov.pooled else 0}
+            "retries": GATEWAY_RETRIES if ov.pooled else 0,
+            "routers": [f"127.0.0.1:{p.ports['http']}" for p in processes
+                        if p.role == "router"] if ov.pooled else []}  # = readiness.upstream
 
 
 def _endpoint(front: Process) -> str:

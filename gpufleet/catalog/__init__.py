@@ -174,6 +174,14 @@ class Engine(_Strict):
     # and the seconds the router needs to take a worker back once it answers again
     pool_args: dict[str, dict[str, Any]] = Field(default_factory=dict)
     pool_rejoin_s: int = 0
+    # a router that cannot take a worker back through its API: the routers behind the
+    # gateway (the extra ones on the first's host, its ports + 100 each), the ports each
+    # router of a pool has beyond the topology's, and the router's call (POST, a path with
+    # {url}, the worker as the router names it) that takes a worker out before it stops;
+    # the routers are then restarted one at a time to take it back (restart_unit.yml)
+    pool_routers: int = 1
+    pool_router_ports: dict[str, int] = Field(default_factory=dict)
+    pool_leave: str | None = None
 
 
 class TopologyProcess(_Strict):

@@ -1,6 +1,7 @@
 """gpufleet_workers on the lab: two prefill and two decode workers over lab1 and lab2 behind
-the real vllm-router and one endpoint; every worker takes requests, a killed one leaves the
-pool within seconds, a lower count stops exactly the workers it drops."""
+two real vllm-routers and one endpoint; every worker takes requests, a killed one leaves the
+pool within seconds, rolling restarts of workers and routers lose no request, a lower count
+stops exactly the workers it drops."""
 
 from __future__ import annotations
 
@@ -66,7 +67,7 @@ def ask(client, i: int) -> bool:
 
 def test_one_endpoint_spreads_requests_over_every_worker(pool):
     _, client = pool
-    for host, units in (("lab1", ["prefill", "decode", "router", "gateway"]),
+    for host, units in (("lab1", ["prefill", "decode", "router", "router-1", "gateway"]),
                         ("lab2", ["prefill-1", "decode-1"])):
         for unit in units:
             assert ssh(host, f"systemctl is-active gpufleet-{unit}.service").strip() == \
@@ -109,12 +110,9 @@ def test_a_killed_decode_worker_leaves_the_pool_within_seconds(pool):
     assert served("decode-1") > before, "the restarted decode-1 got no request back"
 
 
-def test_a_rolling_restart_under_load_restarts_every_decode_and_loses_almost_nothing(pool):
-    """fab restart --role decode with requests flowing: each decode worker drains (vLLM's
-    --shutdown-timeout), restarts and is back in its router's pool before the next stops;
-    the gateway sends a request the router failed to it again (plan api.retries)."""
-    inv, client = pool
-    before = {h: main_pids(h) for h in ADDRESS}
+def under_load(client, action) -> tuple[object, list[bool]]:
+    """action() while 4 clients send one request after the other; (its result, each
+    request's success)."""
     results: list[bool] = []
     stop = threading.Event()
 
@@ -129,20 +127,50 @@ def test_a_rolling_restart_under_load_restarts_every_decode_and_loses_almost_not
         t.start()
     try:
         time.sleep(2)
-        proc = fab("restart", "--role", "decode", "-i", inv)
+        out = action()
         time.sleep(2)
     finally:
         stop.set()
         for t in threads:
             t.join()
+    return out, results
+
+
+def test_a_rolling_restart_under_load_restarts_every_decode_and_loses_nothing(pool):
+    """fab restart --role decode with requests flowing: each decode worker leaves both
+    routers' pools, drains, restarts, and is back (each router restarted in turn, out of
+    the gateway meanwhile) before the next one leaves."""
+    inv, client = pool
+    before = {h: main_pids(h) for h in ADDRESS}
+    proc, results = under_load(client, lambda: fab("restart", "--role", "decode", "-i", inv))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     after = {h: main_pids(h) for h in ADDRESS}
-    for host, unit in (("lab1", "gpufleet-decode.service"), ("lab2", "gpufleet-decode-1.service")):
-        assert after[host][unit] != before[host][unit], f"{unit} was not restarted"
+    for host, unit in (("lab1", "decode"), ("lab2", "decode-1"), ("lab1", "router"),
+                       ("lab1", "router-1")):
+        u = f"gpufleet-{unit}.service"
+        assert after[host][u] != before[host][u], f"{u} was not restarted"
     assert after["lab1"]["gpufleet-prefill.service"] == before["lab1"]["gpufleet-prefill.service"]
+    assert after["lab1"]["gpufleet-gateway.service"] == before["lab1"]["gpufleet-gateway.service"]
+    # the gateway sends to both routers again
+    conf = ssh("lab1", "grep -E 'server 127.0.0.1:8[01]00 ' /etc/gpufleet/gateway/nginx.conf")
+    assert "down" not in conf and "8000" in conf and "8100" in conf, conf
     failed = results.count(False)
     print(f"rolling restart of decode under load: {failed} of {len(results)} requests failed")
-    assert len(results) > 100 and failed <= 0.01 * len(results), (failed, len(results))
+    assert len(results) > 100 and failed == 0, (failed, len(results))
+
+
+def test_a_rolling_restart_of_the_routers_loses_nothing(pool):
+    """Each router leaves the gateway's list, restarts and comes back in turn."""
+    inv, client = pool
+    before = main_pids("lab1")
+    proc, results = under_load(client, lambda: fab("restart", "--role", "router", "-i", inv))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    after = main_pids("lab1")
+    assert all(after[u] != before[u] for u in ("gpufleet-router.service",
+                                                "gpufleet-router-1.service"))
+    failed = results.count(False)
+    print(f"rolling restart of the routers under load: {failed} of {len(results)} failed")
+    assert len(results) > 50 and failed == 0, (failed, len(results))
 
 
 @pytest.mark.slow  # about 80 s: one more deploy of the pool

@@ -47,12 +47,27 @@ def test_vllm_two_prefill_two_decode_behind_one_router():
         "prefill-1": ("workers-2", [0, 1, 2, 3], {"http": 8001, "nixl": 5557}),
         "decode": ("workers-1", [4, 5, 6, 7], {"http": 8002, "nixl": 5558}),
         "decode-1": ("workers-2", [4, 5, 6, 7], {"http": 8002, "nixl": 5558})}
-    (router,) = plan.by_role("router")
-    assert flag_values(router.argv, "--prefill") == [["http://10.9.0.1:8001"],
-                                                      ["http://10.9.1.2:8001"]]
-    assert flag_values(router.argv, "--decode") == [["http://10.9.0.1:8002"],
-                                                     ["http://10.9.1.2:8002"]]
+    # two routers behind the one gateway (vllm-router takes a worker back only when
+    # restarted: a rolling restart restarts them one at a time), each with its own ports
+    router, second = plan.by_role("router")
+    assert (router.name, router.ports, second.name, second.ports) == (
+        "router", {"http": 8000, "metrics": 29000}, "router-1", {"http": 8100, "metrics": 29100})
+    for r in (router, second):
+        assert flag_values(r.argv, "--prefill") == [["http://10.9.0.1:8001"],
+                                                     ["http://10.9.1.2:8001"]]
+        assert flag_values(r.argv, "--decode") == [["http://10.9.0.1:8002"],
+                                                    ["http://10.9.1.2:8002"]]
+        assert r.host == "workers-1" and r.bind == "127.0.0.1"
+        assert flag_values(r.argv, "--prometheus-port") == [[str(r.ports["metrics"])]]
     assert [p.role for p in plan.processes].count("gateway") == 1
+    assert plan.api["routers"] == ["127.0.0.1:8000", "127.0.0.1:8100"]
+    # a rolling restart takes each worker out of both routers by the name they know it by
+    decode1 = next(p for p in plan.engines if p.name == "decode-1")
+    assert [m["url"] for m in decode1.readiness["pool"]["leave"]] == [
+        f"http://127.0.0.1:{port}/remove_worker?url=http%3A%2F%2F10.9.1.2%3A8002"
+        for port in (8000, 8100)]
+    assert [r["unit"] for r in decode1.readiness["pool"]["routers"]] == [
+        "gpufleet-router.service", "gpufleet-router-1.service"]
     assert plan.endpoints == [plan.endpoint] == ["http://10.9.0.1:8000/v1"]
     # KV moves between hosts now: both need RDMA, the engines listen on their address
     assert all(h.rdma for h in plan.hosts.values())

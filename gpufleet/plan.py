@@ -14,8 +14,8 @@ import hashlib
 import json
 import os
 from types import SimpleNamespace
-from urllib.parse import quote
 from typing import Any
+from urllib.parse import quote
 
 from pydantic import ValidationError
 

@@ -110,6 +110,8 @@ def test_sglang_pd_router_lists_each_prefill_with_its_bootstrap_port():
     assert flag_values(router.argv, "--prefill") == [["http://10.9.0.1:30000", "8998"],
                                                       ["http://10.9.1.2:30000", "8998"]]
     assert len(flag_values(router.argv, "--decode")) == 2
+    # one router: a rolling restart waits for its health check to take a worker back
+    assert all("pool" not in p.readiness and p.readiness["rejoin_s"] == 6 for p in plan.engines)
 
 
 def test_dynamo_workers_are_found_by_discovery_not_listed():

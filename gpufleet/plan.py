@@ -569,7 +569,7 @@ def _render(processes, roles, target, model, draft, engine, catalog, cache, ov,
     routers = [p for p in processes if p.role == "router"]
     if len(routers) > 1:  # behind the gateway, which a rolling restart tells to skip one
         for r in routers:
-            r.readiness["upstream"] = f"127.0.0.1:{r.ports['http']}"
+            r.readiness["upstream"] = _loopback(r)
         for p in processes:
             if len(pools.get(p.role, [])) > 1 and engine.pool_leave:
                 p.readiness["pool"] = _pool_moves(p, routers, engine.pool_leave)
@@ -584,13 +584,17 @@ def _pool_moves(p: Process, routers: list[Process], leave: str) -> dict:
     return {
         "url": url,
         "type": p.role,
-        "leave": [{"host": r.host, "url": f"http://127.0.0.1:{r.ports['http']}"
+        "leave": [{"host": r.host, "url": f"http://{_loopback(r)}"
                    + leave.format(url=quote(url, safe=""))} for r in routers],
         # readiness.upstream: the router's line in the gateway
         "routers": [{"host": r.host, "unit": r.unit, "readiness": r.readiness,
-                     "workers_url": f"http://127.0.0.1:{r.ports['http']}/workers"}
-                    for r in routers],
+                     "workers_url": f"http://{_loopback(r)}/workers"} for r in routers],
     }
+
+
+def _loopback(router: Process) -> str:
+    """Where the gateway and a rolling restart reach a router behind the gateway."""
+    return f"127.0.0.1:{router.ports['http']}"
 
 
 def _readiness(p: Process, target, model) -> dict:
@@ -647,8 +651,8 @@ def _api(ov: Overrides, inventory, processes: list[Process]) -> dict:
             "key_file": ov.api_key_file or api_key_path(inventory.source),
             "gateway_conf_dir": GATEWAY_CONF_DIR,
             "retries": GATEWAY_RETRIES if ov.pooled else 0,
-            "routers": [f"127.0.0.1:{p.ports['http']}" for p in processes
-                        if p.role == "router"] if ov.pooled else []}  # = readiness.upstream
+            "routers": [_loopback(p) for p in processes
+                        if p.role == "router"] if ov.pooled else []}
 
 
 def _endpoint(front: Process) -> str:

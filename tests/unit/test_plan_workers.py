@@ -153,3 +153,20 @@ def test_workers_and_replicas_together_are_refused():
     with pytest.raises(PlanError, match="gpufleet_workers and gpufleet_replicas are both set"):
         make_plan("h200-pd-1node", hosts(workers=2),
                   {"workers": {"prefill": 2, "decode": 2}, "replicas": True})
+
+
+def test_a_worker_leaves_its_pool_only_while_another_of_its_kind_is_healthy():
+    """The rolling restart's check on each router's GET /workers (vllm-router 0.1.17's
+    shape): another healthy worker of the same kind, the worker itself not counted."""
+    from gpufleet.ansible_plugins.filter.gpufleet import pool_others
+
+    plan = make_plan("h200-pd-1node", hosts(workers=2), {"workers": {"prefill": 2, "decode": 2}})
+    pool = next(p for p in plan.engines if p.name == "decode").readiness["pool"]
+    listed = [{"url": "http://10.9.0.1:8002", "worker_type": "decode", "is_healthy": True},
+              {"url": "http://10.9.1.2:8001", "worker_type": "prefill", "is_healthy": True},
+              {"url": "http://10.9.1.2:8002", "worker_type": "decode", "is_healthy": False}]
+    assert pool["url"] == "http://10.9.0.1:8002"
+    assert pool_others(listed, pool) == 0
+    listed[2]["is_healthy"] = True
+    assert pool_others(listed, pool) == 1
+    assert pool_others(None, pool) == 0

@@ -47,6 +47,13 @@ def own_file(relative: str) -> str:
     return str(path)
 
 
+def pool_others(workers: list, pool: dict) -> int:
+    """How many healthy workers of a pool worker's kind a router's GET /workers lists
+    besides that worker (plan readiness.pool: its `type` and `url`)."""
+    return sum(1 for w in workers or [] if w.get("worker_type") == pool["type"]
+               and w.get("url") != pool["url"] and w.get("is_healthy"))
+
+
 class FilterModule:
     def filters(self):
         return {
@@ -55,4 +62,5 @@ class FilterModule:
             "gpufleet_file": own_file,
             "gpufleet_host_slices": host_slices,
             "gpufleet_acceptance_spec": host_spec,
+            "gpufleet_pool_others": pool_others,
         }

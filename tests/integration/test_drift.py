@@ -59,6 +59,7 @@ def test_a_noop_runs_only_each_roles_check(deployed):
     assert {"nvidia_driver", "ucx", "engine_runtime", "cache", "serve", "health"} <= checked
 
 
+@pytest.mark.slow  # about 95 s; test_deploy's changed flag repairs one kind in every run
 def test_every_kind_of_drift_is_repaired_then_the_next_run_changes_nothing(deployed):
     package = a_locked_package()
     version = ssh("lab1", f"{VENV}/bin/python -m pip show {package} | sed -n 's/^Version: //p'"

@@ -86,6 +86,7 @@ def _fabric_plan(counts):
             for h, n in counts.items()}
 
 
+@pytest.mark.slow  # about 40 s: a lab rebuilt with two profiles
 def test_vm_fabric_needs_no_fabric_manager_hgx_still_runs_one(_lab_session, tmp_path):
     lab_hosts.up(hosts=2, profiles=["h200x2", "h200x8"])
     try:

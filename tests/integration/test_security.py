@@ -138,6 +138,7 @@ def test_check_mode_changes_nothing_and_finds_nothing_to_change(deployed):
     assert digests() == before
 
 
+@pytest.mark.slow  # about 25 s each; check mode of site.yml runs in every ./scripts/test
 @pytest.mark.parametrize("book", ["playbooks/teardown.yml", "playbooks/restart.yml"])
 def test_check_mode_of_the_destructive_playbooks_changes_nothing(deployed, book):
     """They would change things (and say so), but --check leaves every host as it was."""

@@ -24,6 +24,7 @@ import subprocess
 import sys
 import threading
 import time
+from datetime import UTC, datetime
 
 from openai import OpenAI
 
@@ -69,6 +70,7 @@ def main() -> int:
                     max_retries=0, timeout=60)
     results: list[tuple[float, str]] = []  # (seconds since the start, "" or the error)
     lock, start = threading.Lock(), time.monotonic()
+    wall = time.time()  # the wall clock at `start`
 
     def load(k: int) -> None:
         i = 0
@@ -79,7 +81,10 @@ def main() -> int:
                     messages=[{"role": "user", "content": f"client {k} request {i}"}])
                 error = ""
             except Exception as exc:  # any error is a failed request
-                error = f"{type(exc).__name__}: {str(exc)[:120]}"
+                # the cause tells a connection refused from one closed without an answer
+                cause = f" ({type(exc.__cause__).__name__}: {exc.__cause__})" \
+                    if exc.__cause__ else ""
+                error = f"{type(exc).__name__}: {str(exc)[:120]}{cause[:160]}"
             with lock:
                 results.append((time.monotonic() - start, error))
             i += 1
@@ -115,6 +120,9 @@ def main() -> int:
         "last_failure_after_event_s": round(max(failed) - at, 1) if failed else None,
         "requests_per_s": round(len(results) / args.seconds, 1),
         "failed_after_event_s": [round(t - at, 1) for t in failed[:20]],
+        # wall clock (UTC) of the failures, to find them in the hosts' journals
+        "failed_at_utc": [datetime.fromtimestamp(wall + t, UTC).strftime("%H:%M:%S.%f")[:-4]
+                          for t in failed[:20]],
         "errors": dict(errors.most_common(5)),
     }, indent=2))
     return 0

@@ -567,9 +567,7 @@ def _render(processes, roles, target, model, draft, engine, catalog, cache, ov,
         if len(pools.get(p.role, [])) > 1 and engine.pool_rejoin_s:  # back in its pool
             p.readiness["rejoin_s"] = engine.pool_rejoin_s
     routers = [p for p in processes if p.role == "router"]
-    if len(routers) > 1:  # behind the gateway, which a rolling restart tells to skip one
-        for r in routers:
-            r.readiness["upstream"] = _loopback(r)
+    if len(routers) > 1:  # behind the gateway: the first, then the others as its backups
         for p in processes:
             if len(pools.get(p.role, [])) > 1 and engine.pool_leave:
                 p.readiness["pool"] = _pool_moves(p, routers, engine.pool_leave)
@@ -586,7 +584,6 @@ def _pool_moves(p: Process, routers: list[Process], leave: str) -> dict:
         "type": p.role,
         "leave": [{"host": r.host, "url": f"http://{_loopback(r)}"
                    + leave.format(url=quote(url, safe=""))} for r in routers],
-        # readiness.upstream: the router's line in the gateway
         "routers": [{"host": r.host, "unit": r.unit, "readiness": r.readiness,
                      "workers_url": f"http://{_loopback(r)}/workers"} for r in routers],
     }

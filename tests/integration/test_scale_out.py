@@ -144,6 +144,10 @@ def test_a_rolling_restart_under_load_restarts_every_decode_and_loses_nothing(po
     routers' pools, drains, restarts, and is back (each router restarted in turn, the
     gateway's tries going on to the other meanwhile) before the next one leaves."""
     inv, client = pool
+    # lab2's decode worker has used up its crash-loop limit (StartLimitBurst 5 starts in
+    # 10 min; reset-failed zeroes the count): a deliberate restart must still start it
+    ssh("lab2", "u=gpufleet-decode-1; systemctl reset-failed $u; "
+                "for i in 1 2 3 4 5; do systemctl restart $u; done", check=True)
     before = {h: main_pids(h) for h in ADDRESS}
     gateway_before = ssh("lab1", GATEWAY_STATE)
     assert re.findall(r"server (\S+) max_fails=0( backup)?;", gateway_before) == \

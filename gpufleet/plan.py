@@ -567,26 +567,42 @@ def _render(processes, roles, target, model, draft, engine, catalog, cache, ov,
         if len(pools.get(p.role, [])) > 1 and engine.pool_rejoin_s:  # back in its pool
             p.readiness["rejoin_s"] = engine.pool_rejoin_s
     routers = [p for p in processes if p.role == "router"]
-    if len(routers) > 1:  # behind the gateway: the first, then the others as its backups
+    # a router that takes a worker back through its API, or several behind the gateway
+    # (the first, then the others as its backups) restarted in turn to take it back
+    if engine.pool_leave and (engine.pool_rejoin or len(routers) > 1):
         for p in processes:
-            if len(pools.get(p.role, [])) > 1 and engine.pool_leave:
-                p.readiness["pool"] = _pool_moves(p, routers, engine.pool_leave)
+            if len(pools.get(p.role, [])) > 1:
+                p.readiness["pool"] = _pool_moves(p, routers, engine)
 
 
-def _pool_moves(p: Process, routers: list[Process], leave: str) -> dict:
+def _pool_moves(p: Process, routers: list[Process], engine: cat.Engine) -> dict:
     """How a rolling restart moves a worker out of its routers' pools and back: each
-    router's call that takes it out (the worker named as in the router's flags), then every
-    router restarted in turn, each waited for before the next (restart_unit.yml)."""
+    router's call that takes it out (the worker named as in the router's flags; an {id}
+    left in the url is its id in the router's GET /workers), then each router's call
+    that takes it back, or, without one, every router restarted in turn, each waited for
+    before the next (restart_unit.yml)."""
     url = _ns(p, routers[0]).url
     assert all(_ns(p, r).url == url for r in routers)  # the routers share a host
-    return {
+
+    def call(c: cat.PoolCall, r: Process) -> dict:
+        body = {key: url if v == "url" else p.role if v == "role"
+                else p.ports[v.removeprefix("port:")]
+                for key, v in c.body.items()
+                if not v.startswith("port:") or v.removeprefix("port:") in p.ports}
+        return {"host": r.host, "method": c.method, "body": body,
+                "url": f"http://{_loopback(r)}"
+                + c.path.format(url=quote(url, safe=""), id="{id}")}
+
+    moves = {
         "url": url,
         "type": p.role,
-        "leave": [{"host": r.host, "url": f"http://{_loopback(r)}"
-                   + leave.format(url=quote(url, safe=""))} for r in routers],
+        "leave": [call(engine.pool_leave, r) for r in routers],
         "routers": [{"host": r.host, "unit": r.unit, "readiness": r.readiness,
                      "workers_url": f"http://{_loopback(r)}/workers"} for r in routers],
     }
+    if engine.pool_rejoin:
+        moves["rejoin"] = [call(engine.pool_rejoin, r) for r in routers]
+    return moves
 
 
 def _loopback(router: Process) -> str:

@@ -10,10 +10,10 @@ from __future__ import annotations
 import copy
 from functools import cache
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 DATA = Path(__file__).parent
 
@@ -154,6 +154,18 @@ class Runtimes(_Strict):
     why: dict[Literal["nvidia", "amd"], str]
 
 
+class PoolCall(_Strict):
+    """A call to a pool's router about one worker (restart_unit.yml). In `path`, {url} is
+    the worker as the router names it (URL-quoted) and {id} its id in the router's GET
+    /workers; `body` (JSON) maps keys to `url`, `role` or `port:NAME` (left out where the
+    worker has no such port)."""
+
+    method: Literal["POST", "DELETE"]
+    path: str
+    body: dict[str, Annotated[str, StringConstraints(pattern=r"^(url|role|port:[a-z_]+)$")]] = \
+        Field(default_factory=dict)
+
+
 class Engine(_Strict):
     label: str
     venv: str
@@ -171,17 +183,20 @@ class Engine(_Strict):
     managed: dict[str, Managed] = Field(default_factory=dict)  # program key -> managed
     limits: dict[str, Limits] = Field(default_factory=dict)  # program key -> limits
     # with several workers of a role (gpufleet_workers): role (router, engines) -> flags,
-    # and the seconds the router needs to take a worker back once it answers again
+    # and the seconds the router's health check needs to take a worker back once it
+    # answers again (a rolling restart's wait where it cannot move the worker itself)
     pool_args: dict[str, dict[str, Any]] = Field(default_factory=dict)
     pool_rejoin_s: int = 0
-    # a router that cannot take a worker back through its API: the routers behind the
-    # gateway (the extra ones on the first's host, its ports + 100 each), the ports each
-    # router of a pool has beyond the topology's, and the router's call (POST, a path with
-    # {url}, the worker as the router names it) that takes a worker out before it stops;
-    # the routers are then restarted one at a time to take it back (restart_unit.yml)
+    # a rolling restart: the router's call that takes a worker out of its pool before it
+    # stops, and the one that takes it back once it serves. A router that cannot take a
+    # worker back (no pool_rejoin) is restarted instead, so a pool has pool_routers of them
+    # behind the gateway (the extra ones on the first's host, its ports + 100 each), each
+    # restarted in turn. pool_router_ports: the ports each router of a pool has beyond
+    # the topology's.
+    pool_leave: PoolCall | None = None
+    pool_rejoin: PoolCall | None = None
     pool_routers: int = 1
     pool_router_ports: dict[str, int] = Field(default_factory=dict)
-    pool_leave: str | None = None
 
 
 class TopologyProcess(_Strict):

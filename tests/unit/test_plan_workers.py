@@ -110,8 +110,21 @@ def test_sglang_pd_router_lists_each_prefill_with_its_bootstrap_port():
     assert flag_values(router.argv, "--prefill") == [["http://10.9.0.1:30000", "8998"],
                                                       ["http://10.9.1.2:30000", "8998"]]
     assert len(flag_values(router.argv, "--decode")) == 2
-    # one router: a rolling restart waits for its health check to take a worker back
-    assert all("pool" not in p.readiness and p.readiness["rejoin_s"] == 6 for p in plan.engines)
+    # one router, which a rolling restart asks to take a worker out (by its id in GET
+    # /workers) and back (a prefill worker with its bootstrap port, as in the flags)
+    moves = {p.name: p.readiness["pool"] for p in plan.engines}
+    router_url = "http://127.0.0.1:8000"
+    assert moves["prefill-1"] == {
+        "url": "http://10.9.1.2:30000", "type": "prefill",
+        "leave": [{"host": "prefill-1", "method": "DELETE", "body": {},
+                   "url": f"{router_url}/workers/{{id}}"}],
+        "rejoin": [{"host": "prefill-1", "method": "POST", "url": f"{router_url}/workers",
+                    "body": {"url": "http://10.9.1.2:30000", "worker_type": "prefill",
+                             "bootstrap_port": 8998}}],
+        "routers": [{"host": "prefill-1", "unit": "gpufleet-router.service",
+                     "readiness": router.readiness, "workers_url": f"{router_url}/workers"}]}
+    assert moves["decode"]["rejoin"][0]["body"] == {"url": "http://10.9.2.1:30000",
+                                                    "worker_type": "decode"}
 
 
 def test_dynamo_workers_are_found_by_discovery_not_listed():
@@ -170,3 +183,26 @@ def test_a_worker_leaves_its_pool_only_while_another_of_its_kind_is_healthy():
     listed[2]["is_healthy"] = True
     assert pool_others(listed, pool) == 1
     assert pool_others(None, pool) == 0
+
+
+def test_a_worker_is_found_by_its_url_in_the_routers_list():
+    """sglang-router 0.3.2's GET /workers gives each worker an id, which DELETE takes."""
+    from gpufleet.ansible_plugins.filter.gpufleet import pool_worker_id
+
+    listed = [{"id": "499881b1", "url": "http://127.0.0.1:9001", "worker_type": "prefill"},
+              {"id": "b8f5835c", "url": "http://127.0.0.1:9002", "worker_type": "decode"}]
+    assert pool_worker_id(listed, "http://127.0.0.1:9002") == "b8f5835c"
+    assert pool_worker_id(listed, "http://127.0.0.1:9003") == ""  # out already
+    assert pool_worker_id(None, "http://127.0.0.1:9002") == ""
+
+
+def test_a_pool_call_body_names_only_what_the_plan_knows():
+    from pydantic import ValidationError
+
+    from gpufleet.catalog import PoolCall
+
+    assert PoolCall(method="POST", path="/workers", body={"bootstrap_port": "port:bootstrap"})
+    with pytest.raises(ValidationError):
+        PoolCall(method="POST", path="/workers", body={"url": "{url}"})
+    with pytest.raises(ValidationError):
+        PoolCall(method="PUT", path="/workers")

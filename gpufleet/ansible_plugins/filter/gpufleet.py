@@ -54,6 +54,11 @@ def pool_others(workers: list, pool: dict) -> int:
                and w.get("url") != pool["url"] and w.get("is_healthy"))
 
 
+def pool_worker_id(workers: list, url: str) -> str:
+    """The id a router's GET /workers gives the worker at url ('' where it lists none)."""
+    return next((str(w.get("id", "")) for w in workers or [] if w.get("url") == url), "")
+
+
 class FilterModule:
     def filters(self):
         return {
@@ -63,4 +68,5 @@ class FilterModule:
             "gpufleet_host_slices": host_slices,
             "gpufleet_acceptance_spec": host_spec,
             "gpufleet_pool_others": pool_others,
+            "gpufleet_pool_worker_id": pool_worker_id,
         }

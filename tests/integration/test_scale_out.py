@@ -59,9 +59,9 @@ def pool(lab, tmp_path_factory):
     assert down.returncode == 0, down.stdout[-3000:]
 
 
-def ask(client, i: int) -> bool:
+def ask(client, i: int, model: str = "zai-org/GLM-5.3-Flash") -> bool:
     try:
-        client.chat.completions.create(model="zai-org/GLM-5.3-Flash", max_tokens=8,
+        client.chat.completions.create(model=model, max_tokens=8,
                                        messages=[{"role": "user", "content": f"hi {i}"}])
         return True
     except Exception:  # an error of any kind is a failed request
@@ -113,7 +113,7 @@ def test_a_killed_decode_worker_leaves_the_pool_within_seconds(pool):
     assert served("decode-1") > before, "the restarted decode-1 got no request back"
 
 
-def under_load(client, action) -> tuple[object, list[bool]]:
+def under_load(client, action, model: str = "zai-org/GLM-5.3-Flash") -> tuple[object, list[bool]]:
     """action() while 4 clients send one request after the other; (its result, each
     request's success)."""
     results: list[bool] = []
@@ -122,7 +122,7 @@ def under_load(client, action) -> tuple[object, list[bool]]:
     def load() -> None:
         i = 0
         while not stop.is_set():
-            results.append(ask(client, i))
+            results.append(ask(client, i, model))
             i += 1
 
     threads = [threading.Thread(target=load) for _ in range(4)]

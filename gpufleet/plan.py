@@ -564,15 +564,18 @@ def _render(processes, roles, target, model, draft, engine, catalog, cache, ov,
         p.argv = prefix + [tok for flag, value in p.args.items()
                            for tok in flag_tokens(flag, value)]
         p.readiness = _readiness(p, target, model)
-        if len(pools.get(p.role, [])) > 1 and engine.pool_rejoin_s:  # back in its pool
-            p.readiness["rejoin_s"] = engine.pool_rejoin_s
     routers = [p for p in processes if p.role == "router"]
-    # a router that takes a worker back through its API, or several behind the gateway
-    # (the first, then the others as its backups) restarted in turn to take it back
-    if engine.pool_leave and (engine.pool_rejoin or len(routers) > 1):
-        for p in processes:
-            if len(pools.get(p.role, [])) > 1:
+    # a pool worker's way back after a rolling restart: moved by the restart through a
+    # router that takes it back through its API, or several behind the gateway (the
+    # first, then the others as its backups) restarted in turn; else taken back by the
+    # router's health check, which the restart waits for (rejoin_s)
+    moved = engine.pool_leave and (engine.pool_rejoin or len(routers) > 1)
+    for p in processes:
+        if len(pools.get(p.role, [])) > 1:
+            if moved:
                 p.readiness["pool"] = _pool_moves(p, routers, engine)
+            elif engine.pool_rejoin_s:
+                p.readiness["rejoin_s"] = engine.pool_rejoin_s
 
 
 def _pool_moves(p: Process, routers: list[Process], engine: cat.Engine) -> dict:
@@ -606,7 +609,8 @@ def _pool_moves(p: Process, routers: list[Process], engine: cat.Engine) -> dict:
 
 
 def _loopback(router: Process) -> str:
-    """Where the gateway and a rolling restart reach a router behind the gateway."""
+    """Where the gateway and a rolling restart reach a router (it binds loopback behind a
+    gateway, every address without one)."""
     return f"127.0.0.1:{router.ports['http']}"
 
 

@@ -125,6 +125,17 @@ def test_sglang_pd_router_lists_each_prefill_with_its_bootstrap_port():
                      "readiness": router.readiness, "workers_url": f"{router_url}/workers"}]}
     assert moves["decode"]["rejoin"][0]["body"] == {"url": "http://10.9.2.1:30000",
                                                     "worker_type": "decode"}
+    # moved by the restart itself: no wait for the health check
+    assert all("rejoin_s" not in p.readiness for p in plan.engines)
+
+
+def test_a_pool_with_one_router_that_cannot_take_a_worker_back_waits_for_its_health_check():
+    # a vLLM pool without an API key has no gateway, so one vllm-router: nothing moves the
+    # worker; the restart waits for the router's health check (2 x 2 s and one interval)
+    plan = make_plan("h200-pd-1node", hosts(workers=2),
+                     {"workers": {"prefill": 2, "decode": 2}, "api_key": False})
+    assert len(plan.by_role("router")) == 1
+    assert all("pool" not in p.readiness and p.readiness["rejoin_s"] == 6 for p in plan.engines)
 
 
 def test_dynamo_workers_are_found_by_discovery_not_listed():

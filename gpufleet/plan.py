@@ -571,6 +571,12 @@ def _render(processes, roles, target, model, draft, engine, catalog, cache, ov,
     # router's health check, which the restart waits for (rejoin_s)
     moved = engine.pool_leave and (engine.pool_rejoin or len(routers) > 1)
     for p in processes:
+        # a deploy that changes it restarts it in turn with the others of its kind, each
+        # waited for, as fab restart does (playbooks/serve.yml), not all at once: a pool's
+        # workers, and a pool's routers where there are several (a new worker count
+        # changes the routers' flags)
+        if len(pools.get(p.role, [])) > 1 or (p.role == "router" and len(routers) > 1):
+            p.readiness["rolling"] = True
         if len(pools.get(p.role, [])) > 1:
             if moved:
                 p.readiness["pool"] = _pool_moves(p, routers, engine)

@@ -144,6 +144,22 @@ def test_dynamo_workers_are_found_by_discovery_not_listed():
     assert len(plan.by_role("prefill")) == 2 and len(plan.by_role("decode")) == 3
     (router,) = plan.by_role("router")
     assert "--router-mode" in router.argv and "--prefill" not in router.argv
+    # a worker leaves the frontend's pool by itself as it stops (Dynamo unregisters it
+    # from discovery on SIGTERM): nothing to move, but restarted in turn all the same
+    assert all(p.readiness.get("rolling") is True and "pool" not in p.readiness
+               and "rejoin_s" not in p.readiness for p in plan.engines)
+
+
+def test_only_a_pool_of_several_workers_is_restarted_in_turn():
+    plan = make_plan("h200-pd-1node", hosts(workers=2), {"workers": {"prefill": 1, "decode": 2}})
+    assert {p.name: p.readiness.get("rolling", False) for p in plan.processes
+            if p.role != "gateway"} == {"prefill": False, "decode": True, "decode-1": True,
+                                        "router": True, "router-1": True}
+    # one router (SGLang): restarted where it is, there is no other to send to meanwhile
+    plan = make_plan("sglang-h200-pd", hosts(prefill=1, decode=2), {"workers": {"decode": 2}})
+    assert "rolling" not in plan.by_role("router")[0].readiness
+    assert not any("rolling" in p.readiness for p in make_plan(
+        "h200-pd-1node", hosts(workers=1)).processes)
 
 
 def test_without_workers_the_plan_is_unchanged():

@@ -3,14 +3,16 @@
 restarted or one of its hosts is lost. Prints one JSON document.
 
     python3 bench/scale_out.py -i INVENTORY [--concurrency 4] [--seconds 40] \\
-        [--restart-role decode] [--lose-host lab2]
+        [--restart-role decode | --lose-host lab2 | --deploy CHANGED_INVENTORY]
 
 The load: CONCURRENCY clients, each sending one chat request after the other (8 tokens,
-no retries, the official openai client) for SECONDS. Once the load has run 5 s, either
-`fab restart --role ROLE -i INVENTORY` runs (a rolling restart), or every prefill and decode
-unit of HOST is killed with SIGKILL and kept stopped (a host cut off; started again at the
-end). Reported: requests, failed ones, the failure rate, the seconds from the event to
-the last failure (how long until the router routed around it), requests per second.
+no retries, the official openai client) for SECONDS, and 5 s past the end of a restart or
+deploy. Once the load has run 5 s, either `fab restart --role ROLE -i INVENTORY` runs (a
+rolling restart), or `fab deploy -i OTHER` (the same deployment with a change, e.g. a
+flag; OTHER may be INVENTORY, edited), or every prefill and decode unit of HOST is killed
+with SIGKILL and kept stopped (a host cut off; started again at the end). Reported:
+requests, failed ones, the failure rate, the seconds from the event to the last failure
+(how long until the router routed around it), requests per second.
 Runs on the controller (the lab's, or a site's with ssh access to its hosts).
 """
 
@@ -63,6 +65,8 @@ def main() -> int:
     event = p.add_mutually_exclusive_group(required=True)
     event.add_argument("--restart-role")
     event.add_argument("--lose-host")
+    event.add_argument("--deploy", metavar="INVENTORY",
+                       help="fab deploy of this inventory: the same deployment with a change")
     args = p.parse_args()
 
     env, name = endpoint(args.inventory), model(args.inventory)
@@ -70,11 +74,12 @@ def main() -> int:
                     max_retries=0, timeout=60)
     results: list[tuple[float, str]] = []  # (seconds since the start, "" or the error)
     lock, start = threading.Lock(), time.monotonic()
+    stop = threading.Event()
     wall = time.time()  # the wall clock at `start`
 
     def load(k: int) -> None:
         i = 0
-        while time.monotonic() - start < args.seconds:
+        while not stop.is_set():
             try:
                 client.chat.completions.create(
                     model=name, max_tokens=8,
@@ -94,12 +99,13 @@ def main() -> int:
         t.start()
     time.sleep(5)
     at = time.monotonic() - start
-    if args.restart_role:
-        done = subprocess.run([FAB, "restart", "--role", args.restart_role, "-i",
-                               args.inventory], cwd=ROOT, capture_output=True, text=True)
+    if args.restart_role or args.deploy:
+        argv = ["restart", "--role", args.restart_role, "-i", args.inventory] \
+            if args.restart_role else ["deploy", "-i", args.deploy]
+        done = subprocess.run([FAB, *argv], cwd=ROOT, capture_output=True, text=True)
         if done.returncode:
             print(done.stdout[-2000:], done.stderr[-2000:], file=sys.stderr)
-        what = f"fab restart --role {args.restart_role} (rc {done.returncode}, " \
+        what = f"fab {' '.join(argv[:-2])} (rc {done.returncode}, " \
                f"{time.monotonic() - start - at:.1f} s)"
     else:
         units = " ".join(ssh(args.lose_host, "systemctl list-units --plain --no-legend "
@@ -107,18 +113,22 @@ def main() -> int:
                              " | cut -d' ' -f1").split())
         ssh(args.lose_host, f"systemctl kill --signal=KILL {units}; systemctl stop {units}")
         what = f"every prefill and decode unit of {args.lose_host} killed (SIGKILL)"
+    # the load goes on for SECONDS, and at least 5 s past the end of a restart or deploy
+    time.sleep(max(args.seconds - (time.monotonic() - start), 5))
+    stop.set()
     for t in threads:
         t.join()
+    seconds = time.monotonic() - start
     if args.lose_host:
         ssh(args.lose_host, f"systemctl start {units}")
     failed = [t for t, error in results if error]
     errors = collections.Counter(error for _, error in results if error)
     print(json.dumps({
-        "event": what, "event_at_s": round(at, 1), "seconds": args.seconds,
+        "event": what, "event_at_s": round(at, 1), "seconds": round(seconds, 1),
         "concurrency": args.concurrency, "requests": len(results), "failed": len(failed),
         "failed_pct": round(100 * len(failed) / max(len(results), 1), 2),
         "last_failure_after_event_s": round(max(failed) - at, 1) if failed else None,
-        "requests_per_s": round(len(results) / args.seconds, 1),
+        "requests_per_s": round(len(results) / seconds, 1),
         "failed_after_event_s": [round(t - at, 1) for t in failed[:20]],
         # wall clock (UTC) of the failures, to find them in the hosts' journals
         "failed_at_utc": [datetime.fromtimestamp(wall + t, UTC).strftime("%H:%M:%S.%f")[:-4]

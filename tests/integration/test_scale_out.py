@@ -139,15 +139,13 @@ def under_load(client, action, model: str = "zai-org/GLM-5.3-Flash") -> tuple[ob
     return out, results
 
 
+@pytest.mark.slow  # about 60 s; the deploy below restarts decode the same way (restart_unit.yml)
 def test_a_rolling_restart_under_load_restarts_every_decode_and_loses_nothing(pool):
     """fab restart --role decode with requests flowing: each decode worker leaves both
     routers' pools, drains, restarts, and is back (each router restarted in turn, the
     gateway's tries going on to the other meanwhile) before the next one leaves."""
     inv, client = pool
-    # lab2's decode worker has used up its crash-loop limit (StartLimitBurst 5 starts in
-    # 10 min; reset-failed zeroes the count): a deliberate restart must still start it
-    ssh("lab2", "u=gpufleet-decode-1; systemctl reset-failed $u; "
-                "for i in 1 2 3 4 5; do systemctl restart $u; done", check=True)
+    use_up_start_limit("lab2", "gpufleet-decode-1.service")
     before = {h: main_pids(h) for h in ADDRESS}
     gateway_before = ssh("lab1", GATEWAY_STATE)
     assert re.findall(r"server (\S+) max_fails=0( backup)?;", gateway_before) == \
@@ -183,6 +181,52 @@ def test_a_rolling_restart_of_the_routers_loses_nothing(pool):
     failed = results.count(False)
     print(f"rolling restart of the routers under load: {failed} of {len(results)} failed")
     assert len(results) > 50 and failed == 0, (failed, len(results))
+
+
+def use_up_start_limit(host: str, unit: str) -> None:
+    """The unit's crash-loop limit used up (StartLimitBurst: 5 starts in 10 min;
+    reset-failed zeroes the count): a deliberate restart must still start it."""
+    ssh(host, f"u={unit}; systemctl reset-failed $u; "
+              "for i in 1 2 3 4 5; do systemctl restart $u; done", check=True)
+
+
+def test_a_deploy_that_changes_a_decode_flag_restarts_them_in_turn_and_loses_nothing(pool):
+    """A changed flag of a pool's workers: the deploy leaves them serving while it runs and
+    then restarts them one at a time, each out of both routers' pools meanwhile (as fab
+    restart does), while requests flow; nothing else restarts but the routers (in turn)."""
+    inv, client = pool
+    use_up_start_limit("lab2", "gpufleet-decode-1.service")
+    before = {h: main_pids(h) for h in ADDRESS}
+    gateway_before = ssh("lab1", GATEWAY_STATE)
+    all_yml = Path(inv) / "group_vars" / "all.yml"
+    values = yaml.safe_load(all_yml.read_text())
+    all_yml.write_text(yaml.safe_dump({**values, "gpufleet_args": {
+        "decode": {"--max-num-seqs": 96}}}))
+    proc, results = under_load(client, lambda: fab("deploy", "-i", inv))
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    after = {h: main_pids(h) for h in ADDRESS}
+    decodes = (("lab1", "gpufleet-decode.service"), ("lab2", "gpufleet-decode-1.service"))
+    for host, unit in decodes:
+        assert after[host][unit] != before[host][unit], f"{unit} was not restarted"
+        argv = ssh(host, f"tr '\\0' ' ' < /proc/{after[host][unit]}/cmdline", check=True)
+        assert "--max-num-seqs 96" in argv, argv
+    for host, unit in (("lab1", "gpufleet-prefill.service"), ("lab2", "gpufleet-prefill-1.service"),
+                       ("lab1", "gpufleet-gateway.service")):
+        assert after[host][unit] == before[host][unit], f"{unit} was restarted"
+    assert ssh("lab1", GATEWAY_STATE) == gateway_before
+    # one at a time: the second stopped only once the first ran again (the lab's hosts
+    # share one kernel, so their monotonic clocks compare)
+    def stopped_and_back(host: str, unit: str) -> tuple[int, int]:
+        out = ssh(host, "systemctl show -p ActiveExitTimestampMonotonic "
+                        f"-p ActiveEnterTimestampMonotonic {unit}", check=True)
+        at = dict(line.split("=", 1) for line in out.split())
+        return int(at["ActiveExitTimestampMonotonic"]), int(at["ActiveEnterTimestampMonotonic"])
+
+    first, second = sorted(stopped_and_back(host, unit) for host, unit in decodes)
+    assert first[1] < second[0], (first, second)
+    failed = results.count(False)
+    print(f"deploy of a changed decode flag under load: {failed} of {len(results)} failed")
+    assert len(results) > 100 and failed == 0, (failed, len(results))
 
 
 @pytest.mark.slow  # about 80 s: one more deploy of the pool

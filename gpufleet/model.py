@@ -207,6 +207,7 @@ class Plan:
     inventory: str
     api: dict = field(default_factory=dict)
     endpoints: list[str] = field(default_factory=list)  # one per replica
+    hosts_record: str = ""  # on the controller: the hosts the last deploy served
 
     def by_role(self, role: str) -> list[Process]:
         return [p for p in self.processes if p.role == role]
@@ -243,6 +244,7 @@ class Plan:
             "cache": self.cache,
             "warnings": self.warnings,
             "inventory": self.inventory,
+            "hosts_record": self.hosts_record,
         }
 
 

@@ -60,14 +60,25 @@ def suggest(name: str, choices: list[str]) -> str:
     return "run `fab targets` to list the targets"
 
 
-def api_key_path(inventory_source: str) -> str:
-    """Where the controller keeps a deployment's API key: one per inventory, 0600,
-    outside the repository (the inventory's name plus a hash of its full path)."""
+def controller_path(kind: str, inventory_source: str, suffix: str) -> str:
+    """Where the controller keeps a file of one deployment (one per inventory), outside
+    the repository: KIND/<the inventory's name>-<a hash of its full path>SUFFIX."""
     base = os.environ.get("XDG_CONFIG_HOME") or os.path.expanduser("~/.config")
     full = os.path.abspath(inventory_source)
     digest = hashlib.sha256(full.encode()).hexdigest()[:8]
     name = os.path.basename(full.rstrip("/")) or "inventory"
-    return os.path.join(base, "gpufleet", "api-keys", f"{name}-{digest}.key")
+    return os.path.join(base, "gpufleet", kind, f"{name}-{digest}{suffix}")
+
+
+def api_key_path(inventory_source: str) -> str:
+    """Where the controller keeps a deployment's API key (0600)."""
+    return controller_path("api-keys", inventory_source, ".key")
+
+
+def hosts_record_path(inventory_source: str) -> str:
+    """Where the controller records the hosts a deployment's last deploy served, so the
+    next one retires those the plan no longer has (playbooks/serve.yml)."""
+    return controller_path("deployments", inventory_source, ".hosts.json")
 
 
 class Repeat(list):
@@ -230,6 +241,7 @@ def compose(
         processes=processes, hosts={}, cache=cache, endpoint=_endpoint(fronts[0]),
         warnings=[], options=list(ov.options), inventory=inventory.source,
         api=_api(ov, inventory, processes), endpoints=[_endpoint(f) for f in fronts],
+        hosts_record=hosts_record_path(inventory.source),
     )
     plan.hosts = _host_requirements(plan, inventory)
     if image is None:

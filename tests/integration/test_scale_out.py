@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from labutil import fab, lab_inventory, main_pids, ssh
+from labutil import fab, lab_inventory, main_pids, recap, ssh
 from openai import OpenAI
 
 from gpufleet_lab import net
@@ -249,3 +249,34 @@ def test_a_lower_count_stops_exactly_the_dropped_workers(pool):
         assert now[host][u] == kept[host][u], f"{u} was restarted"
     assert now["lab1"]["gpufleet-router.service"] != kept["lab1"]["gpufleet-router.service"]
     assert all(ask(client, i) for i in range(4))
+
+
+@pytest.mark.slow  # about 90 s: one more deploy of the pool
+def test_a_host_that_leaves_the_group_is_retired_under_load(pool):
+    """lab2 leaves [workers] (counts 1 and 1, all on lab1): the deploy restarts the routers
+    in turn with their new lists and then stops and removes lab2's gpufleet units and
+    configuration, while requests flow; lab1's workers keep running."""
+    inv, client = pool
+    kept = main_pids("lab1")
+    hosts_yml = Path(inv) / "hosts.yml"
+    hosts = yaml.safe_load(hosts_yml.read_text())
+    hosts["all"]["children"]["workers"] = {"hosts": {"lab1": {}}}
+    hosts_yml.write_text(yaml.safe_dump(hosts))
+    all_yml = Path(inv) / "group_vars" / "all.yml"
+    values = yaml.safe_load(all_yml.read_text())
+    all_yml.write_text(yaml.safe_dump({**values, "gpufleet_workers": {"prefill": 1, "decode": 1}}))
+    proc, results = under_load(client, lambda: fab("deploy", "-i", inv))
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert ssh("lab2", "ls /etc/systemd/system | grep -c '^gpufleet-'; test -e /etc/gpufleet; "
+                       "echo $?; systemctl list-units --plain --no-legend 'gpufleet-*' | wc -l"
+               ).split() == ["0", "1", "0"]
+    now = main_pids("lab1")
+    for unit in ("gpufleet-prefill.service", "gpufleet-decode.service"):
+        assert now[unit] == kept[unit], f"{unit} was restarted"
+    failed = results.count(False)
+    print(f"lab2 retired under load: {failed} of {len(results)} failed")
+    assert len(results) > 100 and failed == 0, (failed, len(results))
+    # the next deploy has nothing to retire and changes nothing
+    again = fab("deploy", "-i", inv)
+    assert again.returncode == 0, again.stdout[-3000:]
+    assert recap(again.stdout).get("lab2", {}).get("ok", 0) == 0, again.stdout[-3000:]

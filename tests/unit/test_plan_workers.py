@@ -233,3 +233,17 @@ def test_a_pool_call_body_names_only_what_the_plan_knows():
         PoolCall(method="POST", path="/workers", body={"url": "{url}"})
     with pytest.raises(ValidationError):
         PoolCall(method="PUT", path="/workers")
+
+
+def test_the_controller_records_a_deployments_hosts_beside_its_api_key(tmp_path, monkeypatch):
+    # one record per inventory (its full path), outside the repository: the next deploy of
+    # the same inventory retires the hosts its plan no longer has (playbooks/serve.yml)
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    from gpufleet.plan import api_key_path, hosts_record_path
+    a, b = hosts_record_path("inv/prod"), hosts_record_path("other/prod")
+    assert a.startswith(f"{tmp_path}/gpufleet/deployments/prod-") and a.endswith(".hosts.json")
+    assert a != b and hosts_record_path("inv/prod/") == a
+    assert api_key_path("inv/prod").startswith(f"{tmp_path}/gpufleet/api-keys/prod-")
+    plan = make_plan("h200-pd-1node", hosts(workers=2), {"workers": {"decode": 2}})
+    assert plan.to_json()["hosts_record"] == plan.hosts_record == hosts_record_path(
+        plan.inventory)

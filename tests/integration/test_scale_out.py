@@ -139,7 +139,6 @@ def under_load(client, action, model: str = "zai-org/GLM-5.3-Flash") -> tuple[ob
     return out, results
 
 
-@pytest.mark.slow  # about 60 s; the deploy below restarts decode the same way (restart_unit.yml)
 def test_a_rolling_restart_under_load_restarts_every_decode_and_loses_nothing(pool):
     """fab restart --role decode with requests flowing: each decode worker leaves both
     routers' pools, drains, restarts, and is back (each router restarted in turn, the
@@ -190,6 +189,7 @@ def use_up_start_limit(host: str, unit: str) -> None:
               "for i in 1 2 3 4 5; do systemctl restart $u; done", check=True)
 
 
+@pytest.mark.slow  # about 170 s: a deploy under load (fab restart above rolls them the same way)
 def test_a_deploy_that_changes_a_decode_flag_restarts_them_in_turn_and_loses_nothing(pool):
     """A changed flag of a pool's workers: the deploy leaves them serving while it runs and
     then restarts them one at a time, each out of both routers' pools meanwhile (as fab

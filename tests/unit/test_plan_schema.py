@@ -75,9 +75,12 @@ def reads() -> list[tuple[str, str, str]]:
 def test_the_roles_read_the_slice_and_the_playbooks_nothing_else():
     found = reads()
     assert any(var == "gpufleet_host" for _, var, _ in found)
-    # the controller's whole plan is read on the controller only (plan and smoke plays)
+    # the controller's whole plan is read on the controller only (plan and smoke plays,
+    # serve's plays that retire hosts the plan no longer has and record its hosts, and
+    # teardown's that forgets them)
     assert sorted({f for f, var, _ in found if var == "gpufleet_plan"}) == [
-        "playbooks/plan.yml", "playbooks/preflight.yml", "playbooks/smoke.yml"]
+        "playbooks/plan.yml", "playbooks/preflight.yml", "playbooks/serve.yml",
+        "playbooks/smoke.yml", "playbooks/teardown.yml"]
     assert not any("hostvars['localhost']" in p.read_text() for p in SOURCES)
 
 

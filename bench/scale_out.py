@@ -9,8 +9,9 @@ The load: CONCURRENCY clients, each sending one chat request after the other (8 
 no retries, the official openai client) for SECONDS, and 5 s past the end of a restart or
 deploy. Once the load has run 5 s, either `fab restart --role ROLE -i INVENTORY` runs (a
 rolling restart), or `fab deploy -i OTHER` (the same deployment with a change, e.g. a
-flag; OTHER may be INVENTORY, edited), or every prefill and decode unit of HOST is killed
-with SIGKILL and kept stopped (a host cut off; started again at the end). Reported:
+flag; OTHER may be INVENTORY, edited), or every engine unit of HOST is killed
+with SIGKILL and kept stopped (a host cut off; started again at the end); with none of
+them, the load alone (throughput: compare a pool of N workers with one). Reported:
 requests, failed ones, the failure rate, the seconds from the event to the last failure
 (how long until the router routed around it), requests per second.
 Runs on the controller (the lab's, or a site's with ssh access to its hosts).
@@ -62,7 +63,7 @@ def main() -> int:
     p.add_argument("-i", "--inventory", required=True)
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--seconds", type=float, default=40)
-    event = p.add_mutually_exclusive_group(required=True)
+    event = p.add_mutually_exclusive_group()
     event.add_argument("--restart-role")
     event.add_argument("--lose-host")
     event.add_argument("--deploy", metavar="INVENTORY",
@@ -107,12 +108,15 @@ def main() -> int:
             print(done.stdout[-2000:], done.stderr[-2000:], file=sys.stderr)
         what = f"fab {' '.join(argv[:-2])} (rc {done.returncode}, " \
                f"{time.monotonic() - start - at:.1f} s)"
-    else:
+    elif args.lose_host:
         units = " ".join(ssh(args.lose_host, "systemctl list-units --plain --no-legend "
-                             "'gpufleet-prefill*.service' 'gpufleet-decode*.service'"
+                             "'gpufleet-prefill*.service' 'gpufleet-decode*.service' "
+                             "'gpufleet-worker*.service'"
                              " | cut -d' ' -f1").split())
         ssh(args.lose_host, f"systemctl kill --signal=KILL {units}; systemctl stop {units}")
-        what = f"every prefill and decode unit of {args.lose_host} killed (SIGKILL)"
+        what = f"every engine unit of {args.lose_host} killed (SIGKILL)"
+    else:
+        what = "none (steady load)"
     # the load goes on for SECONDS, and at least 5 s past the end of a restart or deploy
     time.sleep(max(args.seconds - (time.monotonic() - start), 5))
     stop.set()

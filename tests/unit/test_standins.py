@@ -6,6 +6,7 @@ Loopback only: a fake hw.json, a tiny Hugging Face cache, ephemeral ports.
 from __future__ import annotations
 
 import base64
+import concurrent.futures
 import importlib.util
 import json
 import os
@@ -487,3 +488,25 @@ def test_vllm_with_a_shutdown_timeout_drains_then_exits_on_sigterm(env, start):
     # (its count may still hold it: the reply goes out before the count drops)
     assert re.search(r"Shutdown requested: waiting up to 30 s for [01] request\(s\) in flight",
                      server.log.read_text())
+
+
+def test_a_paced_engine_runs_at_most_its_running_request_cap_at_once(env, start):
+    """GPUFLEET_LAB_STEP_MS (the scale-out throughput benchmark): each request takes a
+    step per generated token, and --max-running-requests bounds how many run together, so
+    one worker's throughput has a ceiling that more workers raise."""
+    server = start(SGLANG_FULL + " --max-running-requests 2",
+                   {**env, "GPUFLEET_LAB_STEP_MS": "50"})
+    c = client(server)
+
+    def one(i: int) -> float:
+        began = time.monotonic()
+        c.chat.completions.create(model=GLM, max_tokens=8,
+                                  messages=[{"role": "user", "content": f"hi {i}"}])
+        return time.monotonic() - began
+
+    began = time.monotonic()
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        each = list(pool.map(one, range(4)))
+    took = time.monotonic() - began
+    # 8 tokens x 50 ms = 0.4 s each; two at a time: 0.8 s for four, the later two waiting
+    assert min(each) >= 0.4 and 0.8 <= took < 1.6, (each, took)

@@ -31,6 +31,19 @@ class Engine:
         self.bootstrap = None  # pd.Bootstrap for an SGLang prefill
         self.compat: dict = {}
         self.created = int(time.time())
+        # A GPU's pace, where a benchmark asks for one (GPUFLEET_LAB_STEP_MS, the time of one
+        # decode step, each running request gaining a token per step): at most the engine's
+        # running-request cap (--max-num-seqs, --max-running-requests) run at once and the
+        # others wait, as the engines' schedulers queue them. Unset: answers at once.
+        self.step_s = float(settings.env.get("GPUFLEET_LAB_STEP_MS") or 0) / 1000
+        cap = settings.get("--max-num-seqs" if self.vllm else "--max-running-requests")
+        self.running = threading.BoundedSemaphore(int(cap or 256))
+
+    def pace(self, generated: int) -> None:
+        """Take the time the GPU would take for a request of `generated` tokens."""
+        if self.step_s:
+            with self.running:
+                time.sleep(self.step_s * max(generated, 1))
 
     @property
     def vllm(self) -> bool:
@@ -417,6 +430,7 @@ class Handler(BaseHTTPRequestHandler):
         try:
             job = e.prepare_chat(body)
             out = e.shape(job)
+            e.pace(out["generated"])
             if body.get("stream"):
                 opts = body.get("stream_options") or {}
                 events = list(e.chat_stream(job, bool(opts.get("include_usage"))))
@@ -436,6 +450,7 @@ class Handler(BaseHTTPRequestHandler):
         try:
             job = e.prepare_completion(body)
             text, finish, n = result = e.completion_text(job)
+            e.pace(n)
             rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish,
                       "stop_reason": None, "prompt_logprobs": None}

@@ -100,6 +100,7 @@ class Process:
     args: dict[str, Any] = field(default_factory=dict, repr=False)
     # image runtime: what the container gets (plan._container); None: runs from the venv
     container: dict | None = None
+    front: bool = False  # clients talk to it: the endpoint's process (plan._front, the gateway)
 
     @property
     def is_engine(self) -> bool:

@@ -44,6 +44,9 @@ from .overrides import managed
 
 GATEWAY_CONF_DIR = "/etc/gpufleet/gateway"
 GATEWAY_RETRIES = 4  # a pool's failed request is sent again 4 times: five tries
+# a pool worker's type as vllm-router and sglang-router name it (GET and POST /workers):
+# an aggregated target's worker is "regular"
+ROUTER_TYPES = {"worker": "regular"}
 # image runtime: where the host keeps 002's sitecustomize overlay, mounted read-only at the
 # same path in the engine containers and put first on their PYTHONPATH
 OVERLAY_DIR = "/etc/gpufleet/overlay"
@@ -199,10 +202,12 @@ def compose(
     engine = catalog.engines[target.engine]
     hardware = catalog.hardware[target.hardware]
     topology = catalog.topologies[target.topology]
+    if ov.workers and topology.pooled:  # a single-worker layout's form behind a router
+        topology = catalog.topologies[topology.pooled]
 
     problems: list[Problem] = _check_override_roles(target, topology, ov)
     problems += managed(catalog, target, topology, ov)
-    roles, draft = _layer_options(catalog, target, ov, problems)
+    roles, draft = _layer_options(catalog, target, topology, ov, problems)
     inventory = inventory or inv_mod.placeholder(topology.groups)
     problems += _check_workers(target, topology, ov)
     pooled = {s.group for s in topology.processes if s.role in ENGINE_ROLES} if ov.workers \
@@ -231,6 +236,7 @@ def compose(
             for p in replica:
                 if p.role == "router":
                     p.bind = "127.0.0.1"
+        replica[-1 if ov.api_key else replica.index(front)].front = True
         _render(replica, roles, target, model, draft, engine, catalog, cache, ov,
                 in_image=image is not None)
         processes += replica
@@ -270,7 +276,7 @@ def _check_override_roles(target, topology, ov: Overrides) -> list[Problem]:
     return problems
 
 
-def _layer_options(catalog, target, ov: Overrides, problems: list[Problem]):
+def _layer_options(catalog, target, topology, ov: Overrides, problems: list[Problem]):
     roles = {k: v.model_dump() for k, v in target.roles.items()}
     draft = None
     for name in ov.options:
@@ -289,6 +295,8 @@ def _layer_options(catalog, target, ov: Overrides, problems: list[Problem]):
         roles = cat.merge_keep_nulls(roles, {k: v.model_dump() for k, v in option.roles.items()})
         if option.draft_model:
             draft = catalog.models[option.draft_model]
+    for bundle in topology.use:  # a pooled topology's router and discovery
+        roles = cat.merge_keep_nulls(roles, catalog.bundles[bundle]["roles"])
     if ov.pooled:  # a pool: its router's and engines' own flags
         for role, args in catalog.engines[target.engine].pool_args.items():
             roles = cat.merge_keep_nulls(roles, {role: {"args": args}})
@@ -300,28 +308,29 @@ def _layer_options(catalog, target, ov: Overrides, problems: list[Problem]):
 
 
 def _check_workers(target, topology, ov: Overrides) -> list[Problem]:
-    """gpufleet_workers: counts of the engine roles a prefill/decode target runs behind its
-    router (whose worker lists take several)."""
+    """gpufleet_workers: counts of the engine roles a target runs behind its router (whose
+    worker lists take several): prefill and decode, or an aggregated target's workers
+    (its topology's pooled form)."""
     if not ov.workers:
         return []
-    roles = [p.role for p in topology.processes]
-    pd = "prefill" in roles and "decode" in roles and "router" in roles
-    if not pd:
+    engines = [p for p in topology.processes if p.role in ENGINE_ROLES]
+    pools = list(dict.fromkeys(p.role for p in engines))
+    if not any(p.role == "router" for p in topology.processes) or any(p.each for p in engines):
         return [Problem(
-            "workers", f"{target.name} is not a prefill/decode target behind a router, so "
-            "there is no pool to put several workers in",
-            "use gpufleet_replicas for a copy of it on every host, or pick a -pd or "
-            "-disagg target (fab targets)")]
+            "workers", f"{target.name} runs one engine over {target.topology}'s hosts with no "
+            "router in front, so there is no pool to put several workers in",
+            "use gpufleet_replicas for a copy of it on every host, or pick a target of one "
+            "node per engine (fab targets)")]
     problems = []
     if ov.replicas:
         problems.append(Problem(
             "workers", "gpufleet_workers and gpufleet_replicas are both set",
             "drop gpufleet_replicas: gpufleet_workers puts every worker behind one endpoint"))
     for role, count in ov.workers.items():
-        if role not in ("prefill", "decode"):
+        if role not in pools:
             problems.append(Problem(
                 f"workers.{role}", f"{target.name} has no {role!r} pool",
-                "count prefill and decode workers"))
+                f"count {' and '.join(pools)} workers"))
         elif count < 1:
             problems.append(Problem(f"workers.{role}", f"{count} workers", "give 1 or more"))
     return problems
@@ -478,7 +487,7 @@ def _bind(p: Process, processes: list[Process]) -> str:
         return "0.0.0.0"
     # its clients: the routers, and the other pool of a prefill/decode pair (the KV
     # handshake and SGLang's bootstrap reach the prefill at the address the router has)
-    peers = routers + [q for q in processes if q.role in ENGINE_ROLES and q is not p]
+    peers = routers + [q for q in processes if q.role in ENGINE_ROLES and q.role != p.role]
     if all(q.host == p.host for q in peers):
         return "127.0.0.1"
     return p.address
@@ -531,7 +540,9 @@ def _runtime(catalog, target, hardware, ov: Overrides,
 def _render(processes, roles, target, model, draft, engine, catalog, cache, ov,
             in_image: bool = False) -> None:
     by_role = {p.role: p for p in processes}
-    pools = {role: [p for p in processes if p.role == role] for role in ("prefill", "decode")}
+    # the workers of each role behind a router (a multi-node engine's ranks are one worker)
+    pools = {role: [p for p in processes if p.role == role and p.node_rank == 0]
+             for role in ENGINE_ROLES}
     firsts = {}
     for p in processes:
         firsts.setdefault(p.role, p)
@@ -547,6 +558,7 @@ def _render(processes, roles, target, model, draft, engine, catalog, cache, ov,
             "prefill": _ns(by_role.get("prefill"), p),
             "decode": _ns(by_role.get("decode"), p),
             "etcd": _ns(by_role.get("etcd"), p),
+            "worker": _ns(by_role.get("worker"), p),
         }
         # multi-node ranks reach rank 0 at its real address, never loopback
         first = firsts[p.role]
@@ -557,8 +569,10 @@ def _render(processes, roles, target, model, draft, engine, catalog, cache, ov,
             for flag, value in args.items():
                 for role, workers in pools.items():
                     if len(workers) > 1 and "{" + role + "." in json.dumps(value):
-                        p.args[flag] = Repeat(_fmt(value, {**ctx, role: _ns(w, p)})
-                                              for w in workers)
+                        each = [_fmt(value, {**ctx, role: _ns(w, p)}) for w in workers]
+                        # the routers' --prefill/--decode repeat; --worker-urls takes every
+                        # URL after one flag (argparse nargs="*": a repeated one keeps the last)
+                        p.args[flag] = each if role == "worker" else Repeat(each)
         p.env = {k: str(_fmt(v, ctx)) for k, v in env.items()}
         if p.gpus:
             var = "CUDA_VISIBLE_DEVICES" if catalog.hardware[target.hardware].vendor == \
@@ -594,6 +608,14 @@ def _render(processes, roles, target, model, draft, engine, catalog, cache, ov,
                 p.readiness["pool"] = _pool_moves(p, routers, engine)
             elif engine.pool_rejoin_s:
                 p.readiness["rejoin_s"] = engine.pool_rejoin_s
+        if p.role == "router" and engine.pool_leave:
+            # a worker this router lists that the plan no longer has (a lower count, a host
+            # that left) leaves its pool before it stops (playbooks/serve.yml)
+            p.readiness["drop"] = {
+                "workers_url": f"http://{_loopback(p)}/workers",
+                "keep": [_ns(w, p).url for role in ENGINE_ROLES for w in pools[role]],
+                "leave": {"method": engine.pool_leave.method,
+                          "url": f"http://{_loopback(p)}{engine.pool_leave.path}"}}
 
 
 def _pool_moves(p: Process, routers: list[Process], engine: cat.Engine) -> dict:
@@ -604,9 +626,10 @@ def _pool_moves(p: Process, routers: list[Process], engine: cat.Engine) -> dict:
     before the next (restart_unit.yml)."""
     url = _ns(p, routers[0]).url
     assert all(_ns(p, r).url == url for r in routers)  # the routers share a host
+    kind = ROUTER_TYPES.get(p.role, p.role)
 
     def call(c: cat.PoolCall, r: Process) -> dict:
-        body = {key: url if v == "url" else p.role if v == "role"
+        body = {key: url if v == "url" else kind if v == "role"
                 else p.ports[v.removeprefix("port:")]
                 for key, v in c.body.items()
                 if not v.startswith("port:") or v.removeprefix("port:") in p.ports}
@@ -616,7 +639,7 @@ def _pool_moves(p: Process, routers: list[Process], engine: cat.Engine) -> dict:
 
     moves = {
         "url": url,
-        "type": p.role,
+        "type": kind,
         "leave": [call(engine.pool_leave, r) for r in routers],
         "routers": [{"host": r.host, "unit": r.unit, "readiness": r.readiness,
                      "workers_url": f"http://{_loopback(r)}/workers"} for r in routers],

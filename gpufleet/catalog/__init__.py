@@ -211,6 +211,10 @@ class Topology(_Strict):
     summary: str
     groups: dict[str, int]
     processes: list[TopologyProcess]
+    # the topology it takes with gpufleet_workers (several workers behind one router)
+    pooled: str | None = None
+    # bundles (targets.yml) a pooled topology layers over the target's settings
+    use: list[str] = Field(default_factory=list)
 
 
 class RoleSettings(_Strict):
@@ -305,6 +309,11 @@ class Catalog:
         }
         raw = _load("targets.yml")
         self.bundles: dict[str, dict] = raw["bundles"]
+        for name, topology in self.topologies.items():
+            for ref, table in ([(topology.pooled, self.topologies)] if topology.pooled else []) \
+                    + [(b, self.bundles) for b in topology.use]:
+                if ref not in table:
+                    raise ValueError(f"catalog: topologies.{name}: unknown {ref!r}")
         self.options = {k: Option(**v) for k, v in raw["options"].items()}
         specs = dict(raw["targets"])
         offered, unoffered = _expand_sglang(raw["sglang"])

@@ -83,12 +83,12 @@ def test_vllm_two_prefill_two_decode_behind_one_router():
 def test_the_pool_health_flags_come_with_a_pool_and_yield_to_an_override():
     (one,) = make_plan("sglang-h200-pd", hosts(prefill=1, decode=1)).by_role("router")
     assert "--health-check-interval-secs" not in one.argv
-    (pool,) = make_plan("sglang-h200-pd", hosts(prefill=1, decode=2),
-                        {"workers": {"decode": 2},
-                         "args": {"router": {"--health-check-interval-secs": 5}}}
-                        ).by_role("router")
-    assert flag_values(pool.argv, "--health-check-interval-secs") == [["5"]]
-    assert flag_values(pool.argv, "--health-check-timeout-secs") == [["2"]]
+    for pool in make_plan("sglang-h200-pd", hosts(prefill=1, decode=2),
+                          {"workers": {"decode": 2},
+                           "args": {"router": {"--health-check-interval-secs": 5}}}
+                          ).by_role("router"):
+        assert flag_values(pool.argv, "--health-check-interval-secs") == [["5"]]
+        assert flag_values(pool.argv, "--health-check-timeout-secs") == [["2"]]
 
 
 def test_two_workers_of_a_role_on_one_host_get_their_own_ports():
@@ -106,23 +106,26 @@ def test_two_workers_of_a_role_on_one_host_get_their_own_ports():
 def test_sglang_pd_router_lists_each_prefill_with_its_bootstrap_port():
     plan = make_plan("sglang-h200-pd", hosts(prefill=2, decode=2),
                      {"workers": {"prefill": 2, "decode": 2}})
-    (router,) = plan.by_role("router")
-    assert flag_values(router.argv, "--prefill") == [["http://10.9.0.1:30000", "8998"],
-                                                      ["http://10.9.1.2:30000", "8998"]]
-    assert len(flag_values(router.argv, "--decode")) == 2
-    # one router, which a rolling restart asks to take a worker out (by its id in GET
-    # /workers) and back (a prefill worker with its bootstrap port, as in the flags)
+    routers = plan.by_role("router")
+    for router in routers:
+        assert flag_values(router.argv, "--prefill") == [["http://10.9.0.1:30000", "8998"],
+                                                          ["http://10.9.1.2:30000", "8998"]]
+        assert len(flag_values(router.argv, "--decode")) == 2
+    # two routers behind the gateway, each of which a rolling restart asks to take a
+    # worker out (by its id in its GET /workers) and back (a prefill worker with its
+    # bootstrap port, as in the flags)
     moves = {p.name: p.readiness["pool"] for p in plan.engines}
-    router_url = "http://127.0.0.1:8000"
+    urls = ["http://127.0.0.1:8000", "http://127.0.0.1:8100"]
     assert moves["prefill-1"] == {
         "url": "http://10.9.1.2:30000", "type": "prefill",
         "leave": [{"host": "prefill-1", "method": "DELETE", "body": {},
-                   "url": f"{router_url}/workers/{{id}}"}],
-        "rejoin": [{"host": "prefill-1", "method": "POST", "url": f"{router_url}/workers",
+                   "url": f"{url}/workers/{{id}}"} for url in urls],
+        "rejoin": [{"host": "prefill-1", "method": "POST", "url": f"{url}/workers",
                     "body": {"url": "http://10.9.1.2:30000", "worker_type": "prefill",
-                             "bootstrap_port": 8998}}],
-        "routers": [{"host": "prefill-1", "unit": "gpufleet-router.service",
-                     "readiness": router.readiness, "workers_url": f"{router_url}/workers"}]}
+                             "bootstrap_port": 8998}} for url in urls],
+        "routers": [{"host": "prefill-1", "unit": r.unit, "readiness": r.readiness,
+                     "workers_url": f"{url}/workers"}
+                    for r, url in zip(routers, urls, strict=True)]}
     assert moves["decode"]["rejoin"][0]["body"] == {"url": "http://10.9.2.1:30000",
                                                     "worker_type": "decode"}
     # moved by the restart itself: no wait for the health check
@@ -155,11 +158,65 @@ def test_only_a_pool_of_several_workers_is_restarted_in_turn():
     assert {p.name: p.readiness.get("rolling", False) for p in plan.processes
             if p.role != "gateway"} == {"prefill": False, "decode": True, "decode-1": True,
                                         "router": True, "router-1": True}
-    # one router (SGLang): restarted where it is, there is no other to send to meanwhile
+    # SGLang's two routers too (a new count changes their flags); one without the gateway
+    # (no API key) restarts where it is, there is no other to send to meanwhile
     plan = make_plan("sglang-h200-pd", hosts(prefill=1, decode=2), {"workers": {"decode": 2}})
+    assert [r.readiness.get("rolling") for r in plan.by_role("router")] == [True, True]
+    plan = make_plan("sglang-h200-pd", hosts(prefill=1, decode=2),
+                     {"workers": {"decode": 2}, "api_key": False})
     assert "rolling" not in plan.by_role("router")[0].readiness
     assert not any("rolling" in p.readiness for p in make_plan(
         "h200-pd-1node", hosts(workers=1)).processes)
+
+
+@pytest.mark.parametrize("target, router_flags, port", [
+    ("gb200-tray", ["--policy", "round_robin"], 8001),
+    ("sglang-h200-low-latency", ["--policy", "round_robin"], 30000),
+])
+def test_an_aggregated_target_puts_its_workers_behind_one_router(target, router_flags, port):
+    """Its topology's pooled form: the workers host by host, a router (its regular mode) in
+    front of them all, the one endpoint; every URL after one --worker-urls (nargs *)."""
+    plan = make_plan(target, hosts(workers=2), {"workers": {"worker": 2}})
+    assert placed(plan) == {"worker": ("workers-1", plan.by_role("worker")[0].gpus,
+                                       {"http": port}),
+                            "worker-1": ("workers-2", plan.by_role("worker")[1].gpus,
+                                         {"http": port})}
+    for router in plan.by_role("router"):  # vLLM's: two behind the gateway
+        assert flag_values(router.argv, "--worker-urls") == [
+            [f"http://127.0.0.1:{port}", f"http://10.9.1.2:{port}"]]
+        assert " ".join(router_flags) in " ".join(router.argv)
+    assert plan.endpoint == "http://10.9.0.1:8000/v1"
+    # the router's own host reaches its worker on loopback; the other's on its address
+    assert [w.bind for w in plan.by_role("worker")] == ["127.0.0.1", "10.9.1.2"]
+    assert all(w.readiness["rolling"] and w.readiness["pool"]["type"] == "regular"
+               for w in plan.by_role("worker"))  # as the routers' GET /workers names it
+    # one worker: the same form, so the endpoint stays where it is from 1 to N and back
+    one = make_plan(target, hosts(workers=1), {"workers": {"worker": 1}})
+    assert placed(one) == {"worker": placed(plan)["worker"]}
+    assert one.endpoint == plan.endpoint
+    assert flag_values(one.by_role("router")[0].argv, "--worker-urls") == [
+        [f"http://127.0.0.1:{port}"]]
+    # the policy is the operator's to change
+    own = make_plan(target, hosts(workers=2), {"workers": {"worker": 2},
+                                               "args": {"router": {"--policy": "cache_aware"}}})
+    assert flag_values(own.by_role("router")[0].argv, "--policy") == [["cache_aware"]]
+
+
+def test_dynamos_aggregated_pool_finds_its_workers_through_etcd():
+    """File discovery does not cross hosts: the pooled form runs etcd beside the frontend
+    and every process discovers through it."""
+    plain = make_plan("h200-agg", hosts(workers=1))
+    assert not plain.by_role("etcd") and "DYN_FILE_KV" in plain.by_role("worker")[0].env
+    plan = make_plan("h200-agg", hosts(workers=2), {"workers": {"worker": 2}})
+    (etcd,), (router,) = plan.by_role("etcd"), plan.by_role("router")
+    assert etcd.host == router.host == "workers-1"
+    for p in [router, *plan.by_role("worker")]:
+        assert flag_values(p.argv, "--discovery-backend") == [["etcd"]], p.name
+        assert p.env["ETCD_ENDPOINTS"] == "http://10.9.0.1:2379" and "DYN_FILE_KV" not in p.env
+    assert flag_values(router.argv, "--router-mode") == [["round-robin"]]  # 002's for H200
+    assert [w.host for w in plan.by_role("worker")] == ["workers-1", "workers-2"]
+    assert all(w.readiness["rolling"] and "pool" not in w.readiness
+               for w in plan.by_role("worker"))
 
 
 def test_without_workers_the_plan_is_unchanged():
@@ -177,8 +234,12 @@ def test_without_workers_the_plan_is_unchanged():
     ("h200-pd-1node", {"workers": 2}, {"router": 2}, "workers.router",
      "has no 'router' pool"),
     ("h200-pd-1node", {"workers": 2}, {"prefill": 0}, "workers.prefill", "0 workers"),
-    ("sglang-h200-balanced", {"workers": 1}, {"worker": 2}, "workers",
-     "not a prefill/decode target behind a router"),
+    ("sglang-h200-balanced", {"workers": 1}, {"worker": 2}, "workers.worker",
+     "2 worker workers of 8 GPUs each do not fit on the 1 host(s) of [workers]"),
+    ("sglang-h200-balanced-bf16", {"workers": 2}, {"worker": 2}, "workers",
+     "runs one engine over sglang-agg-2node's hosts with no router in front"),
+    ("sglang-h200-balanced", {"workers": 2}, {"decode": 2}, "workers.decode",
+     "has no 'decode' pool"),
 ])
 def test_counts_that_do_not_fit_are_refused_naming_the_fix(target, inventory, workers, field,
                                                             words):
@@ -210,6 +271,39 @@ def test_a_worker_leaves_its_pool_only_while_another_of_its_kind_is_healthy():
     listed[2]["is_healthy"] = True
     assert pool_others(listed, pool) == 1
     assert pool_others(None, pool) == 0
+
+
+@pytest.mark.parametrize("target, inventory, call", [
+    ("h200-pd-1node", {"workers": 1},
+     ("POST", "http://127.0.0.1:8000/remove_worker?url=http%3A%2F%2F10.9.1.2%3A8001")),
+    ("sglang-h200-pd", {"prefill": 1, "decode": 1},
+     ("DELETE", "http://127.0.0.1:8000/workers/w7")),
+])
+def test_a_worker_the_plan_drops_leaves_its_routers_pools_first(target, inventory, call):
+    """A lower count: each router's GET /workers against the workers the plan gives it;
+    what it lists beyond them is taken out through its API before the worker stops."""
+    from gpufleet.ansible_plugins.filter.gpufleet import pool_drops
+
+    plan = make_plan(target, hosts(**inventory), {"workers": {"decode": 1}})
+    router = plan.by_role("router")[0]
+    drop = router.readiness["drop"]
+    assert drop["workers_url"] == "http://127.0.0.1:8000/workers"
+    assert sorted(drop["keep"]) == sorted(
+        "http://127.0.0.1:" + str(p.ports["http"]) if p.bind == "127.0.0.1"
+        else f"http://{p.address}:{p.ports['http']}" for p in plan.engines)
+    kept = [{"id": f"w{i}", "url": url} for i, url in enumerate(drop["keep"])]
+    gone = {"id": "w7", "url": "http://10.9.1.2:8001" if target == "h200-pd-1node"
+            else "http://10.9.2.2:30000"}
+    listed = [{"item": router.to_json(), "json": {"workers": [*kept, gone]}}]
+    assert [(c["method"], c["url"]) for c in pool_drops(listed)] == [call]
+    # a router that lists only what the plan keeps, or does not answer: nothing to do
+    assert pool_drops([{"item": router.to_json(), "json": {"workers": kept}}]) == []
+    assert pool_drops([{"item": router.to_json()}]) == []
+    # one that knows none of the plan's workers by these URLs is not emptied
+    assert pool_drops([{"item": router.to_json(), "json": {"workers": [gone]}}]) == []
+    # Dynamo's frontend: the workers leave by themselves
+    assert "drop" not in make_plan("h200-disagg", hosts(prefill=1, decode=1)).by_role(
+        "router")[0].readiness
 
 
 def test_a_worker_is_found_by_its_url_in_the_routers_list():

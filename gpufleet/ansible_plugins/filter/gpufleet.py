@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from urllib.parse import quote
 
 from gpufleet.acceptance import host_spec
 from gpufleet.model import host_slices
@@ -59,6 +60,25 @@ def pool_worker_id(workers: list, url: str) -> str:
     return next((str(w.get("id", "")) for w in workers or [] if w.get("url") == url), "")
 
 
+def pool_drops(listed: list) -> list:
+    """The calls that take out of each router's pool the workers it lists that the plan
+    no longer gives it: `listed` is a uri loop's results over routers (item: the router's
+    process with readiness.drop; json: its GET /workers). A router none of whose listed
+    workers the plan keeps is left alone: that is a router naming its workers otherwise,
+    not a pool to empty."""
+    calls = []
+    for result in listed or []:
+        drop = result["item"]["readiness"]["drop"]
+        workers = (result.get("json") or {}).get("workers") or []
+        gone = [w for w in workers if w.get("url") not in drop["keep"]]
+        if len(gone) == len(workers):
+            continue
+        calls += [{"method": drop["leave"]["method"], "worker": w["url"],
+                   "url": drop["leave"]["url"].replace("{url}", quote(w["url"], safe=""))
+                   .replace("{id}", str(w.get("id", "")))} for w in gone]
+    return calls
+
+
 class FilterModule:
     def filters(self):
         return {
@@ -69,4 +89,5 @@ class FilterModule:
             "gpufleet_acceptance_spec": host_spec,
             "gpufleet_pool_others": pool_others,
             "gpufleet_pool_worker_id": pool_worker_id,
+            "gpufleet_pool_drops": pool_drops,
         }

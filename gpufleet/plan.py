@@ -487,7 +487,7 @@ def _bind(p: Process, processes: list[Process]) -> str:
         return "0.0.0.0"
     # its clients: the routers, and the other pool of a prefill/decode pair (the KV
     # handshake and SGLang's bootstrap reach the prefill at the address the router has)
-    peers = routers + [q for q in processes if q.role in ENGINE_ROLES and q.role != p.role]
+    peers = routers + [q for q in processes if q.role in ENGINE_ROLES and q is not p]
     if all(q.host == p.host for q in peers):
         return "127.0.0.1"
     return p.address
@@ -613,7 +613,10 @@ def _render(processes, roles, target, model, draft, engine, catalog, cache, ov,
             # that left) leaves its pool before it stops (playbooks/serve.yml)
             p.readiness["drop"] = {
                 "workers_url": f"http://{_loopback(p)}/workers",
-                "keep": [_ns(w, p).url for role in ENGINE_ROLES for w in pools[role]],
+                # a worker beside it by either address: one whose bind changes stays
+                "keep": sorted({f"http://{a}:{w.ports['http']}" for role in ENGINE_ROLES
+                                for w in pools[role] for a in ({w.address, "127.0.0.1"}
+                                if w.host == p.host else {w.address})}),
                 "leave": {"method": engine.pool_leave.method,
                           "url": f"http://{_loopback(p)}{engine.pool_leave.path}"}}
 

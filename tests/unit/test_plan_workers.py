@@ -181,13 +181,13 @@ def test_an_aggregated_target_puts_its_workers_behind_one_router(target, router_
                                        {"http": port}),
                             "worker-1": ("workers-2", plan.by_role("worker")[1].gpus,
                                          {"http": port})}
-    for router in plan.by_role("router"):  # vLLM's: two behind the gateway
+    for router in plan.by_role("router"):  # two behind the gateway
         assert flag_values(router.argv, "--worker-urls") == [
-            [f"http://127.0.0.1:{port}", f"http://10.9.1.2:{port}"]]
+            [f"http://10.9.0.1:{port}", f"http://10.9.1.2:{port}"]]
         assert " ".join(router_flags) in " ".join(router.argv)
     assert plan.endpoint == "http://10.9.0.1:8000/v1"
-    # the router's own host reaches its worker on loopback; the other's on its address
-    assert [w.bind for w in plan.by_role("worker")] == ["127.0.0.1", "10.9.1.2"]
+    # a pool over hosts: each worker on its host's internal address
+    assert [w.bind for w in plan.by_role("worker")] == ["10.9.0.1", "10.9.1.2"]
     assert all(w.readiness["rolling"] and w.readiness["pool"]["type"] == "regular"
                for w in plan.by_role("worker"))  # as the routers' GET /workers names it
     # one worker: the same form, so the endpoint stays where it is from 1 to N and back
@@ -195,7 +195,7 @@ def test_an_aggregated_target_puts_its_workers_behind_one_router(target, router_
     assert placed(one) == {"worker": placed(plan)["worker"]}
     assert one.endpoint == plan.endpoint
     assert flag_values(one.by_role("router")[0].argv, "--worker-urls") == [
-        [f"http://127.0.0.1:{port}"]]
+        [f"http://127.0.0.1:{port}"]]  # all on one host: loopback
     # the policy is the operator's to change
     own = make_plan(target, hosts(workers=2), {"workers": {"worker": 2},
                                                "args": {"router": {"--policy": "cache_aware"}}})
@@ -288,9 +288,10 @@ def test_a_worker_the_plan_drops_leaves_its_routers_pools_first(target, inventor
     router = plan.by_role("router")[0]
     drop = router.readiness["drop"]
     assert drop["workers_url"] == "http://127.0.0.1:8000/workers"
-    assert sorted(drop["keep"]) == sorted(
-        "http://127.0.0.1:" + str(p.ports["http"]) if p.bind == "127.0.0.1"
-        else f"http://{p.address}:{p.ports['http']}" for p in plan.engines)
+    # the workers beside it by either address (a bind that changes drops none)
+    assert drop["keep"] == sorted(
+        f"http://{a}:{p.ports['http']}" for p in plan.engines
+        for a in ((p.address, "127.0.0.1") if p.host == router.host else (p.address,)))
     kept = [{"id": f"w{i}", "url": url} for i, url in enumerate(drop["keep"])]
     gone = {"id": "w7", "url": "http://10.9.1.2:8001" if target == "h200-pd-1node"
             else "http://10.9.2.2:30000"}

@@ -451,6 +451,8 @@ def test_sglang_api(env, start):
     assert info["model_path"] == GLM and info["has_image_understanding"] is False
     server_info = json.loads(http(server.url + "/get_server_info", headers=auth)[1])
     assert server_info["version"] == "0.5.23" and server_info["tp_size"] == 8
+    # typed as SGLang's ServerArgs (sglang-router reads typed fields from it)
+    assert server_info["mem_fraction_static"] == 0.8
     status, body = http(server.url + "/v1/messages", {
         "model": "glm-5.3[1m]", "max_tokens": 256, "messages": READY,
         "chat_template_kwargs": {"reasoning_effort": "low"}}, auth)

@@ -414,7 +414,9 @@ class Handler(BaseHTTPRequestHandler):
 
     def r_server_info(self):
         e = self.engine
-        args = {k.lstrip("-").replace("-", "_"): v for k, v in e.s.flags.items() if k}
+        # typed as SGLang's ServerArgs are (sglang-router reads this into typed fields,
+        # and a number given as a string loses the worker's model name)
+        args = {k.lstrip("-").replace("-", "_"): _typed(v) for k, v in e.s.flags.items() if k}
         self.send_json(200, {
             **args, "model_path": e.s.model, "served_model_name": e.s.served_name,
             "tp_size": e.s.tp, "dp_size": e.s.num("--dp-size"), "port": e.s.port,
@@ -519,6 +521,18 @@ SGLANG_ROUTES = {
     ("GET", "/server_info"): Handler.r_server_info,
     ("POST", "/generate"): Handler.r_generate,
 }
+
+
+def _typed(value):
+    """A flag's value as argparse's type would make it: an int or float where it reads as
+    one (SGLang's numeric options), else as given."""
+    if isinstance(value, str):
+        for kind in (int, float):
+            try:
+                return kind(value)
+            except ValueError:
+                pass
+    return value
 
 
 def serve(engine: Engine) -> ThreadingHTTPServer:

@@ -75,11 +75,15 @@ class Overrides(BaseModel):
     runtime: Literal["venv", "image"] | None = None
     images: dict[str, str] = Field(default_factory=dict)
     registry_mirror: str | None = None
+    # set by the plan: an aggregated target in its pooled form (gpufleet_workers, any count)
+    pool_form: bool = False
 
     @property
     def pooled(self) -> bool:
-        """Several workers of a role behind the router: what its pool settings apply to."""
-        return any(count > 1 for count in self.workers.values())
+        """Several workers of a role behind the router, or an aggregated target's pooled form
+        with one (so 1 -> N changes only the routers' worker lists): what its pool settings
+        apply to."""
+        return self.pool_form or any(count > 1 for count in self.workers.values())
 
 
 @dataclass

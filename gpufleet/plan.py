@@ -204,6 +204,7 @@ def compose(
     topology = catalog.topologies[target.topology]
     if ov.workers and topology.pooled:  # a single-worker layout's form behind a router
         topology = catalog.topologies[topology.pooled]
+        ov = ov.model_copy(update={"pool_form": True})
 
     problems: list[Problem] = _check_override_roles(target, topology, ov)
     problems += managed(catalog, target, topology, ov)
@@ -474,17 +475,20 @@ def _place_one(target, topology, hardware, inventory, ov: Overrides,
                 gpus=gpus, order=START_ORDER[spec.role], readiness={}, node_rank=rank))
     for p in processes:
         p.unit = f"gpufleet-{p.name}.service"
-        p.bind = _bind(p, processes)
+        p.bind = _bind(p, processes, ov.pooled)
     return processes
 
 
-def _bind(p: Process, processes: list[Process]) -> str:
+def _bind(p: Process, processes: list[Process], pooled: bool = False) -> str:
     """Where a process listens: clients' entry points on all addresses; an engine on
     loopback when everything that talks to it shares its host, else on the host's
-    internal address (vLLM's security guide: keep engine ports off other networks)."""
+    internal address (vLLM's security guide: keep engine ports off other networks); a
+    pool's engines on that address always, so a count change moves none of them."""
     routers = [q for q in processes if q.role == "router"]
     if p.role == "router" or (p.role == "worker" and not routers):
         return "0.0.0.0"
+    if pooled:
+        return p.address
     # its clients: the routers, and the other pool of a prefill/decode pair (the KV
     # handshake and SGLang's bootstrap reach the prefill at the address the router has)
     peers = routers + [q for q in processes if q.role in ENGINE_ROLES and q is not p]

@@ -379,7 +379,8 @@ def warnings(plan: Plan) -> list[str]:
                    "targets (002); clients must send n=1")
     if plan.target.engine == "sglang" and plan.by_role("router"):
         out.append("sglang-router 0.3.2 does not route Anthropic /v1/messages (004's Claude "
-                   "Code setup): use an aggregated sglang-* target for that, or call an engine")
+                   "Code setup): use an aggregated sglang-* target without gpufleet_workers "
+                   "for that, or call an engine")
     if plan.model.experimental:
         out.append(f"{plan.model.repo} is experimental (004): accuracy and throughput data "
                    "are still pending")

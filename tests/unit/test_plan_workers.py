@@ -190,12 +190,21 @@ def test_an_aggregated_target_puts_its_workers_behind_one_router(target, router_
     assert [w.bind for w in plan.by_role("worker")] == ["10.9.0.1", "10.9.1.2"]
     assert all(w.readiness["rolling"] and w.readiness["pool"]["type"] == "regular"
                for w in plan.by_role("worker"))  # as the routers' GET /workers names it
-    # one worker: the same form, so the endpoint stays where it is from 1 to N and back
+    # one worker: the same form (routers, gateway, the worker's flags), so from 1 to N and
+    # back only the routers' worker lists change
     one = make_plan(target, hosts(workers=1), {"workers": {"worker": 1}})
     assert placed(one) == {"worker": placed(plan)["worker"]}
-    assert one.endpoint == plan.endpoint
+    assert one.endpoint == plan.endpoint and one.api == plan.api
+    assert [r.name for r in one.by_role("router")] == [r.name for r in plan.by_role("router")]
+
+    def unlisted(p):
+        return [t for t in p.argv if not t.startswith("http://")]
+    assert [unlisted(p) for p in one.processes if p.role != "worker"] == \
+        [unlisted(p) for p in plan.processes if p.role != "worker"]
     assert flag_values(one.by_role("router")[0].argv, "--worker-urls") == [
-        [f"http://127.0.0.1:{port}"]]  # all on one host: loopback
+        [f"http://10.9.0.1:{port}"]]  # on its address, as with more (no unit moves)
+    assert [p.argv for p in one.processes if p.role == "worker"] == \
+        [p.argv for p in plan.processes if p.name == "worker"]
     # the policy is the operator's to change
     own = make_plan(target, hosts(workers=2), {"workers": {"worker": 2},
                                                "args": {"router": {"--policy": "cache_aware"}}})

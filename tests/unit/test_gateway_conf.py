@@ -47,8 +47,13 @@ def test_a_vllm_pool_sends_to_the_first_router_and_to_the_second_only_as_its_bac
 
 
 def test_one_router_is_tried_once_per_try_of_a_pool_and_once_without_one():
-    # an SGLang pool has one router: five tries of it; no pool: one try
+    # an SGLang pool has two routers as a vLLM pool has (a count change rolls them)
     conf = gateway_conf(make_plan("sglang-h200-pd", hosts(prefill=1, decode=2),
+                                  {"workers": {"decode": 2}}))
+    assert upstream(conf) == ["127.0.0.1:8000 max_fails=0"] * 5 + \
+        ["127.0.0.1:8100 max_fails=0 backup"] * 5
+    # a Dynamo pool has one frontend: five tries of it; no pool: one try
+    conf = gateway_conf(make_plan("h200-disagg", hosts(prefill=1, decode=2),
                                   {"workers": {"decode": 2}}))
     assert len(set(upstream(conf))) == 1 and len(upstream(conf)) == 5
     assert re.search(r"proxy_next_upstream_tries (\d+);", conf).group(1) == "5"

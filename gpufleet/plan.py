@@ -616,13 +616,13 @@ def _render(processes, roles, target, model, draft, engine, catalog, cache, ov,
             # a worker this router lists that the plan no longer has (a lower count, a host
             # that left) leaves its pool before it stops (playbooks/serve.yml)
             p.readiness["drop"] = {
-                "workers_url": f"http://{_loopback(p)}/workers",
+                "workers_url": _router_url(p, "/workers"),
                 # a worker beside it by either address: one whose bind changes stays
                 "keep": sorted({f"http://{a}:{w.ports['http']}" for role in ENGINE_ROLES
                                 for w in pools[role] for a in ({w.address, "127.0.0.1"}
                                 if w.host == p.host else {w.address})}),
                 "leave": {"method": engine.pool_leave.method,
-                          "url": f"http://{_loopback(p)}{engine.pool_leave.path}"}}
+                          "url": _router_url(p, engine.pool_leave.path)}}
 
 
 def _pool_moves(p: Process, routers: list[Process], engine: cat.Engine) -> dict:
@@ -641,15 +641,14 @@ def _pool_moves(p: Process, routers: list[Process], engine: cat.Engine) -> dict:
                 for key, v in c.body.items()
                 if not v.startswith("port:") or v.removeprefix("port:") in p.ports}
         return {"host": r.host, "method": c.method, "body": body,
-                "url": f"http://{_loopback(r)}"
-                + c.path.format(url=quote(url, safe=""), id="{id}")}
+                "url": _router_url(r, c.path.format(url=quote(url, safe=""), id="{id}"))}
 
     moves = {
         "url": url,
         "type": kind,
         "leave": [call(engine.pool_leave, r) for r in routers],
         "routers": [{"host": r.host, "unit": r.unit, "readiness": r.readiness,
-                     "workers_url": f"http://{_loopback(r)}/workers"} for r in routers],
+                     "workers_url": _router_url(r, "/workers")} for r in routers],
     }
     if engine.pool_rejoin:
         moves["rejoin"] = [call(engine.pool_rejoin, r) for r in routers]
@@ -660,6 +659,11 @@ def _loopback(router: Process) -> str:
     """Where the gateway and a rolling restart reach a router (it binds loopback behind a
     gateway, every address without one)."""
     return f"127.0.0.1:{router.ports['http']}"
+
+
+def _router_url(router: Process, path: str) -> str:
+    """A router's API at path, where the deploy and a rolling restart reach it."""
+    return f"http://{_loopback(router)}{path}"
 
 
 def _readiness(p: Process, target, model) -> dict:

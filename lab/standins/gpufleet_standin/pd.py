@@ -20,8 +20,10 @@ import socketserver
 import threading
 import urllib.error
 import urllib.request
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from urllib.parse import parse_qs, urlparse
+
+from .replies import JSONHandler
 
 
 class TransferError(Exception):
@@ -136,20 +138,20 @@ class Bootstrap:
     def listen(self, host: str) -> None:
         boot = self
 
-        class Handler(BaseHTTPRequestHandler):
+        class Handler(JSONHandler):
             def log_message(self, *args):
                 pass
 
             def do_GET(self):
                 url = urlparse(self.path)
                 if url.path == "/route":
-                    return self._send(200, {"compat": boot.compat,
+                    return self.send_json(200, {"compat": boot.compat,
                                             "compat_hash": compat_hash(boot.compat)})
                 if url.path == "/_lab/kv":
                     room = int(parse_qs(url.query)["room"][0])
                     status, body = boot.fetch(room)
-                    return self._send(status, body)
-                self._send(404, {"error": "not found"})
+                    return self.send_json(status, body)
+                self.send_json(404, {"error": "not found"})
 
             def do_POST(self):
                 url = urlparse(self.path)
@@ -157,16 +159,8 @@ class Bootstrap:
                 body = json.loads(self.rfile.read(length) or b"{}")
                 if url.path == "/_lab/abort":
                     boot.abort(int(body["room"]), body.get("reason", "aborted by decode"))
-                    return self._send(200, {"ok": True})
-                self._send(404, {"error": "not found"})
-
-            def _send(self, code, obj):
-                data = json.dumps(obj).encode()
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+                    return self.send_json(200, {"ok": True})
+                self.send_json(404, {"error": "not found"})
 
         server = ThreadingHTTPServer((host, self.port), Handler)
         server.daemon_threads = True

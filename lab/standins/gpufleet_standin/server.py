@@ -8,11 +8,12 @@ import sys
 import threading
 import time
 import uuid
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 
 from . import model as M
 from .metrics import Metrics
 from .pd import TransferError, bootstrap_pull, prompt_digest
+from .replies import JSONHandler
 from .settings import DATA
 
 
@@ -287,7 +288,7 @@ class Engine:
         return "".join(t for _, t in pieces), finish, len(pieces)
 
 
-class Handler(BaseHTTPRequestHandler):
+class Handler(JSONHandler):
     protocol_version = "HTTP/1.1"
     engine: Engine = None  # set by serve()
 
@@ -296,14 +297,6 @@ class Handler(BaseHTTPRequestHandler):
                         if len(args) > 1 else fmt % args)
 
     # --- plumbing ----------------------------------------------------------------------
-    def send_json(self, code: int, obj) -> None:
-        data = json.dumps(obj).encode()
-        self.send_response(code)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
     def send_text(self, code: int, text: str, ctype: str = "text/plain") -> None:
         data = text.encode()
         self.send_response(code)

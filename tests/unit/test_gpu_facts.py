@@ -15,7 +15,7 @@ from gpufleet.module_utils import gpu_facts as gf
 
 REPO = Path(__file__).resolve().parents[2]
 H200 = REPO / "tests/fixtures/hardware/h200-1gpu"
-DEVICE = REPO / "tests/fixtures/hardware/h200-device"
+DEVICE = REPO / "tests/fixtures/hardware/h200-1gpu-preflight"
 
 
 def host_facts_section(start: str) -> str:

@@ -16,7 +16,7 @@ from gpufleet.module_utils import gpu_facts as gf
 from gpufleet.module_utils.preflight import check_host, check_prepared
 from gpufleet.plan import make_plan
 
-DEVICE = Path(__file__).parents[1] / "fixtures" / "hardware" / "h200-device"
+DEVICE = Path(__file__).parents[1] / "fixtures" / "hardware" / "h200-1gpu-preflight"
 
 
 def req(target: str, role: str = "prefill") -> dict:
@@ -98,7 +98,7 @@ def test_real_h200_capture_against_an_8_gpu_target():
 
 
 def test_recorded_run_on_the_real_h200_matches_what_the_code_says_now():
-    """scripts/device_preflight.py ran on a real 1-GPU H200 (report committed); the
+    """scripts/real-host/preflight_script.py ran on a real 1-GPU H200 (report committed); the
     same facts through today's check give the same verdicts."""
     report = json.loads((DEVICE / "preflight-report.json").read_text())
     assert report["facts"]["count"] == 1 and report["facts"]["model"] == "NVIDIA H200"

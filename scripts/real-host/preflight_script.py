@@ -1,8 +1,9 @@
 """Run gpufleet's GPU facts parser and preflight check on a real GPU host (no Ansible).
 
-Usage: python3 scripts/device_preflight.py REQUIREMENTS.json
+Usage: python3 scripts/real-host/preflight_script.py REQUIREMENTS.json
 REQUIREMENTS.json maps a name to a `hosts` entry of `fab plan --format json`.
-Prints one line per entry and writes $OUT/preflight-report.json (or ./ without $OUT).
+Prints one line per entry and writes preflight-report.json into the directory $OUT names
+(the current one without it).
 Stdlib only, so it runs with the host's own python3.
 """
 

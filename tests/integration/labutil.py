@@ -3,6 +3,7 @@ reading Ansible's PLAY RECAP."""
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 import shutil
@@ -69,18 +70,27 @@ HOSTS = ("lab1", "lab2")
 # without mtime, which a file replaced inside them moves) plus the content of /etc.
 # The health timer's own state is left out: it runs every 15 s in the lab and
 # rewrites it by design.
-DIGEST = (
+# gpufleet's files on a host: each path's size, mtime, mode and owner, and /etc's contents
+LISTING = (
     "{ find /etc /opt/gpufleet /var/lib/gpufleet /usr/local/lib/gpufleet /var/cache/gpufleet/hf"
     " -xdev \\( -name 'health-state.json*' -o -name '.health-state.json.tmp*' \\) -prune"
     " -o -type d -printf '%p/ %m %u:%g\\n' -o -printf '%p %s %T@ %m %u:%g\\n' 2>/dev/null"
     " | sort;"
-    " find /etc -xdev -type f -exec sha256sum {} + 2>/dev/null | sort; } | sha256sum"
+    " find /etc -xdev -type f -exec sha256sum {} + 2>/dev/null | sort; }"
 )
+DIGEST = LISTING + " | sha256sum"
 
 
 def digests(hosts=HOSTS) -> dict[str, str]:
     """host -> digest of its gpufleet files; equal before and after = nothing changed."""
     return {h: ssh(h, DIGEST, check=True).split()[0] for h in hosts}
+
+
+def listing_diff(host: str, before: str) -> str:
+    """What changed on host since LISTING gave before (empty: nothing)."""
+    after = ssh(host, LISTING, check=True)
+    return "\n".join(difflib.unified_diff(before.splitlines(), after.splitlines(),
+                                          "before", "after", lineterm="", n=0))
 
 
 def lab_inventory(tmp_path: Path, all_vars: dict | None = None, host_vars: dict | None = None,

@@ -47,6 +47,9 @@ def test_two_fetch_hosts_take_a_share_each_with_progress_and_every_byte_once(lab
     # each host's link to the mirror held to 0.25 MiB/s, so the fetch lasts long enough
     # for the progress polls to see it move (the lab checkpoint is 2 MiB)
     cache = f"/var/cache/gpufleet/hf/shares-{uuid.uuid4().hex[:8]}"
+    # lab2 without apt's package lists, as a fresh image leaves a host: the fetch host the
+    # play delegates to must refresh them by its own state, not the play host's
+    ssh("lab2", "find /var/lib/apt/lists -maxdepth 1 -type f -delete", check=True)
     _mirror("rate?mib=0.25&per=client", "POST")
     _mirror("reset", "POST")
     try:

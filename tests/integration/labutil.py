@@ -86,11 +86,13 @@ def digests(hosts=HOSTS) -> dict[str, str]:
     return {h: ssh(h, DIGEST, check=True).split()[0] for h in hosts}
 
 
-def listing_diff(host: str, before: str) -> str:
-    """What changed on host since LISTING gave before (empty: nothing)."""
+def listing_diff(host: str, before: str, ignore: str = "^$") -> str:
+    """What changed on host since LISTING gave before (empty: nothing), leaving out the
+    paths that match ignore (a regular expression)."""
     after = ssh(host, LISTING, check=True)
-    return "\n".join(difflib.unified_diff(before.splitlines(), after.splitlines(),
-                                          "before", "after", lineterm="", n=0))
+    keep = [[line for line in text.splitlines() if not re.match(ignore, line)]
+            for text in (before, after)]
+    return "\n".join(difflib.unified_diff(*keep, "before", "after", lineterm="", n=0))
 
 
 def lab_inventory(tmp_path: Path, all_vars: dict | None = None, host_vars: dict | None = None,

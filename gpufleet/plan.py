@@ -202,8 +202,9 @@ def compose(
     engine = catalog.engines[target.engine]
     hardware = catalog.hardware[target.hardware]
     topology = catalog.topologies[target.topology]
-    if ov.workers and topology.pooled:  # a single-worker layout's form behind a router
-        topology = catalog.topologies[topology.pooled]
+    if ov.workers:  # a pool's form from one worker on: a count change changes only its lists
+        if topology.pooled:  # a single-worker layout's form behind a router
+            topology = catalog.topologies[topology.pooled]
         ov = ov.model_copy(update={"pool_form": True})
 
     problems: list[Problem] = _check_override_roles(target, topology, ov)

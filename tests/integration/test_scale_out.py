@@ -263,8 +263,8 @@ def test_a_lower_count_stops_exactly_the_dropped_workers_and_loses_nothing(pool)
 def test_a_host_that_leaves_the_group_is_retired(pool):
     """lab2 leaves [workers] (counts 1 and 1, all on lab1): the deploy stops and removes
     lab2's gpufleet units and their configuration (environment files, the gateway's with
-    the API key) once the routers have their new lists; lab1 serves. (Its engines restart
-    too: with every process on one host they bind loopback.)"""
+    the API key) once the routers have their new lists; lab1 serves (still the pool's form
+    at one worker each: both routers, engines on the host's address)."""
     inv, client = pool
     hosts_yml = Path(inv) / "hosts.yml"
     hosts = yaml.safe_load(hosts_yml.read_text())

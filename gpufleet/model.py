@@ -75,15 +75,12 @@ class Overrides(BaseModel):
     runtime: Literal["venv", "image"] | None = None
     images: dict[str, str] = Field(default_factory=dict)
     registry_mirror: str | None = None
-    # set by the plan: the target in its pooled form (gpufleet_workers, any count)
-    pool_form: bool = False
 
     @property
     def pooled(self) -> bool:
         """A target with gpufleet_workers, whatever the counts (so 1 -> N changes only the
-        routers' worker lists), or several workers of a role: what its pool settings apply
-        to."""
-        return self.pool_form or any(count > 1 for count in self.workers.values())
+        routers' worker lists): what its pool settings apply to."""
+        return bool(self.workers)
 
 
 @dataclass

@@ -202,10 +202,9 @@ def compose(
     engine = catalog.engines[target.engine]
     hardware = catalog.hardware[target.hardware]
     topology = catalog.topologies[target.topology]
-    if ov.workers:  # a pool's form from one worker on: a count change changes only its lists
-        if topology.pooled:  # a single-worker layout's form behind a router
-            topology = catalog.topologies[topology.pooled]
-        ov = ov.model_copy(update={"pool_form": True})
+    # a pool's form from one worker on (ov.pooled): a count change changes only its lists
+    if ov.pooled and topology.pooled:  # a single-worker layout's form behind a router
+        topology = catalog.topologies[topology.pooled]
 
     problems: list[Problem] = _check_override_roles(target, topology, ov)
     problems += managed(catalog, target, topology, ov)

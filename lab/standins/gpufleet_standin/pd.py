@@ -146,7 +146,7 @@ class Bootstrap:
                 url = urlparse(self.path)
                 if url.path == "/route":
                     return self.send_json(200, {"compat": boot.compat,
-                                            "compat_hash": compat_hash(boot.compat)})
+                                                "compat_hash": compat_hash(boot.compat)})
                 if url.path == "/_lab/kv":
                     room = int(parse_qs(url.query)["room"][0])
                     status, body = boot.fetch(room)

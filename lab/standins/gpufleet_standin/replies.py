@@ -1,4 +1,4 @@
-"""The one way the stand-in's HTTP servers answer with JSON (the engine's API and the
+"""The one way the stand-in's HTTP servers answer (text or JSON) (the engine's API and the
 disaggregation bootstrap server both do)."""
 
 from __future__ import annotations
@@ -8,10 +8,13 @@ from http.server import BaseHTTPRequestHandler
 
 
 class JSONHandler(BaseHTTPRequestHandler):
-    def send_json(self, code: int, obj) -> None:
-        data = json.dumps(obj).encode()
+    def send_text(self, code: int, text: str, ctype: str = "text/plain") -> None:
+        data = text.encode()
         self.send_response(code)
-        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Type", ctype)
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)
+
+    def send_json(self, code: int, obj) -> None:
+        self.send_text(code, json.dumps(obj), "application/json")

@@ -297,14 +297,6 @@ class Handler(JSONHandler):
                         if len(args) > 1 else fmt % args)
 
     # --- plumbing ----------------------------------------------------------------------
-    def send_text(self, code: int, text: str, ctype: str = "text/plain") -> None:
-        data = text.encode()
-        self.send_response(code)
-        self.send_header("Content-Type", ctype)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
     def send_error_json(self, message: str, code: int) -> None:
         kind = {400: "BadRequestError", 401: "UnauthorizedError", 404: "NotFoundError"}.get(
             code, "InternalServerError")

@@ -1,5 +1,5 @@
-"""The one way the stand-in's HTTP servers answer (text or JSON) (the engine's API and the
-disaggregation bootstrap server both do)."""
+"""The one way the stand-in's HTTP servers write a response, text or JSON (the engine's
+API and the disaggregation bootstrap server)."""
 
 from __future__ import annotations
 

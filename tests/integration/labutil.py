@@ -69,8 +69,7 @@ HOSTS = ("lab1", "lab2")
 # Everything gpufleet writes on a host (path, size, mtime, mode, owner; directories
 # without mtime, which a file replaced inside them moves) plus the content of /etc.
 # The health timer's own state is left out: it runs every 15 s in the lab and
-# rewrites it by design.
-# gpufleet's files on a host: each path's size, mtime, mode and owner, and /etc's contents
+# rewrites it by design. DIGEST is its hash.
 LISTING = (
     "{ find /etc /opt/gpufleet /var/lib/gpufleet /usr/local/lib/gpufleet /var/cache/gpufleet/hf"
     " -xdev \\( -name 'health-state.json*' -o -name '.health-state.json.tmp*' \\) -prune"

@@ -7,7 +7,9 @@ Run on the lab's controller with a deployment up and no fault injected. It notes
 waits, then reads every host's journal for the runs of the timer's checker
 (gpufleet-health.service) and of the watcher (gpufleet-health-watch.service) since then:
 each run ends with "HOST: healthy in ..." or "HOST: UNHEALTHY in ...". Goal (fleet health
-issue): 0 red runs in an hour. A red run's failing lines are printed with it.
+issue): 0 red runs in an hour. A red run's failing lines are printed with it, and so is every
+gpufleet unit whose restart count rose over the hour (a checker that restarts a unit is not
+a quiet one, whatever colour its runs were).
 """
 
 from __future__ import annotations
@@ -36,6 +38,17 @@ def journal(host, unit, since):
     return proc.stdout.splitlines()
 
 
+def restarts(host):
+    """{unit: NRestarts} of the host's gpufleet units."""
+    show = "systemctl show -p Id,NRestarts 'gpufleet-*.service'"
+    proc = subprocess.run(hosts.ssh_cmd(host, show), capture_output=True, text=True, timeout=120)
+    if proc.returncode != 0:
+        raise SystemExit(f"{host}: systemctl show: {proc.stderr.strip()}")
+    units = [dict(line.split("=", 1) for line in block.splitlines())
+             for block in proc.stdout.strip().split("\n\n") if block]
+    return {unit["Id"]: int(unit["NRestarts"]) for unit in units}
+
+
 def runs(lines):
     """(healthy, red, the failing lines of each red run) from a checker's log."""
     healthy, red, failing, current = 0, 0, [], []
@@ -58,18 +71,23 @@ def main():
     parser.add_argument("--minutes", type=float, default=60)
     args = parser.parse_args()
     names = args.hosts.split(",")
+    before = {host: restarts(host) for host in names}
     since = time.time()
     time.sleep(args.minutes * 60)
     out = {"minutes": args.minutes, "hosts": {}}
     for host in names:
-        out["hosts"][host] = {}
+        after = restarts(host)
+        out["hosts"][host] = {"units": len(after), "restarted": {
+            unit: count - before[host].get(unit, 0) for unit, count in after.items()
+            if count != before[host].get(unit, 0)}}
         for unit in UNITS:
             healthy, red, failing = runs(journal(host, unit, since))
             out["hosts"][host][unit] = {"healthy_runs": healthy, "red_runs": red,
                                         "red": failing[:5]}
-    out["red_runs"] = sum(u["red_runs"] for h in out["hosts"].values() for u in h.values())
+    out["red_runs"] = sum(h[unit]["red_runs"] for h in out["hosts"].values() for unit in UNITS)
+    out["restarted_units"] = sum(len(h["restarted"]) for h in out["hosts"].values())
     print(json.dumps(out, indent=1))
-    return 1 if out["red_runs"] else 0
+    return 1 if out["red_runs"] or out["restarted_units"] else 0
 
 
 if __name__ == "__main__":

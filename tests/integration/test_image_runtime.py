@@ -59,7 +59,7 @@ def main_pids(host: str = "lab1") -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def deployed(lab):
-    lab_images.ensure(engines=["vllm"], variants=("flashinfer-old",))
+    lab_images.ensure(engines=["vllm"])
     proc = site()
     assert proc.returncode == 0, proc.stdout[-6000:]
     assert "smoke" in proc.stdout.lower()
@@ -124,7 +124,8 @@ def test_a_bad_image_is_refused_before_any_unit_changes(deployed, case):
         extra = ["-e", json.dumps({"gpufleet_images": {"vllm": REF + "-absent"}})]
         expect = ["could not pull docker.io/vllm/vllm-openai:glm53-flash-absent",
                   "Fix: push or mirror that image"]
-    else:
+    else:  # the variant's own venv layer: built here, where it is needed, not for every run
+        lab_images.ensure(engines=["vllm"], variants=("flashinfer-old",))
         extra = ["-e", json.dumps({"gpufleet_images": {"vllm": REF + "-flashinfer-old"}})]
         expect = ["has flashinfer-python 0.6.16", "needs 0.6.18 or newer",
                   "Fix: an image with FlashInfer >= 0.6.18"]
@@ -233,6 +234,7 @@ def sglang_deployed(lab):
     return proc
 
 
+@pytest.mark.slow  # with its fixture about 6 minutes: SGLang's image built, two hosts deployed
 def test_sglang_pd_containers_get_the_hcas_and_ipc_lock(sglang_deployed):
     assert "smoke" in sglang_deployed.stdout.lower()
     for host, name in PD_HOSTS.items():
@@ -249,6 +251,7 @@ def test_sglang_pd_containers_get_the_hcas_and_ipc_lock(sglang_deployed):
     assert "/dev/infiniband" not in router and "IPC_LOCK" not in router, router
 
 
+@pytest.mark.slow
 def test_hosts_that_pulled_different_digests_are_refused_naming_both(sglang_deployed):
     """lab2's registries send the tag to a rebuild (another digest), as a tag moved between
     two hosts' pulls would; lab2 pulls again (its record gone): the deploy stops before any

@@ -101,7 +101,9 @@ def latency(args):
         return found.group(1) if found else None
 
     def green():  # the fault gone (the Xid cleared after the "reset"); one timer run
-        hosts.clear_kernel_messages(args.host)
+        # a GPU reset leaves the kernel log as it is: the injected Xids stay in the journal
+        # until the end (removing the file that holds the checker's cursor would leave the
+        # cursor nowhere, which only a reboot does, and a reboot also resets the checker)
         ssh(f"rm -f {faults_file}; {CHECKER} --clear-xid all >/dev/null || true")
         for sysfs_state in ib_states:
             ssh(f"echo '4: ACTIVE' > {sysfs_state}")
@@ -137,6 +139,7 @@ def latency(args):
             green()
         out["faults"][name] = {"check": check, "seconds": took,
                                "median_s": statistics.median(took), "max_s": max(took)}
+    hosts.clear_kernel_messages(args.host)  # as a reboot would, for whatever runs next
 
     def watcher_cpu():  # the watcher and the checks it ran (its waited children)
         fields = ssh(f"cat /proc/{pid}/stat").rsplit(")", 1)[1].split()

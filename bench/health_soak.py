@@ -16,36 +16,24 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
-import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "lab"))
-from gpufleet_lab import hosts  # noqa: E402 - the lab package lives beside the bench
+from health_watch import lab_ssh  # the bench's one way to run a command on a lab host
 
 UNITS = ("gpufleet-health.service", "gpufleet-health-watch.service")
 
 
-def journal(host, unit, since):
-    proc = subprocess.run(hosts.ssh_cmd(host, f"journalctl -u {unit} --since=@{int(since)} "
-                                        "-o cat --no-pager"), capture_output=True, text=True,
-                          timeout=120)
-    if proc.returncode != 0:
-        raise SystemExit(f"{host}: journalctl -u {unit}: {proc.stderr.strip()}")
-    return proc.stdout.splitlines()
+def journal(ssh, unit, since):
+    return ssh(f"journalctl -u {unit} --since=@{int(since)} -o cat --no-pager").splitlines()
 
 
-def restarts(host):
-    """{unit: NRestarts} of the host's gpufleet units."""
-    show = "systemctl show -p Id,NRestarts 'gpufleet-*.service'"
-    proc = subprocess.run(hosts.ssh_cmd(host, show), capture_output=True, text=True, timeout=120)
-    if proc.returncode != 0:
-        raise SystemExit(f"{host}: systemctl show: {proc.stderr.strip()}")
+def restarts(ssh):
+    """{unit: NRestarts} of a host's gpufleet units."""
+    show = ssh("systemctl show -p Id,NRestarts 'gpufleet-*.service'")
     units = [dict(line.split("=", 1) for line in block.splitlines())
-             for block in proc.stdout.strip().split("\n\n") if block]
+             for block in show.strip().split("\n\n") if block]
     return {unit["Id"]: int(unit["NRestarts"]) for unit in units}
 
 
@@ -71,17 +59,18 @@ def main():
     parser.add_argument("--minutes", type=float, default=60)
     args = parser.parse_args()
     names = args.hosts.split(",")
-    before = {host: restarts(host) for host in names}
+    ssh = {host: lab_ssh(host)[1] for host in names}
+    before = {host: restarts(ssh[host]) for host in names}
     since = time.time()
     time.sleep(args.minutes * 60)
     out = {"minutes": args.minutes, "hosts": {}}
     for host in names:
-        after = restarts(host)
+        after = restarts(ssh[host])
         out["hosts"][host] = {"units": len(after), "restarted": {
             unit: count - before[host].get(unit, 0) for unit, count in after.items()
             if count != before[host].get(unit, 0)}}
         for unit in UNITS:
-            healthy, red, failing = runs(journal(host, unit, since))
+            healthy, red, failing = runs(journal(ssh[host], unit, since))
             out["hosts"][host][unit] = {"healthy_runs": healthy, "red_runs": red,
                                         "red": failing[:5]}
     out["red_runs"] = sum(h[unit]["red_runs"] for h in out["hosts"].values() for unit in UNITS)

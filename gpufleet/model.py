@@ -210,6 +210,10 @@ class Plan:
     api: dict = field(default_factory=dict)
     endpoints: list[str] = field(default_factory=list)  # one per replica
     hosts_record: str = ""  # on the controller: the hosts the last deploy served
+    pooled: bool = False  # gpufleet_workers: the topology's pooled form (Overrides.pooled)
+    # who may reach each port: clients, nobody off the host (loopback), the deployment's
+    # hosts (peers); plan._exposure
+    exposure: dict = field(default_factory=dict)
 
     def by_role(self, role: str) -> list[Process]:
         return [p for p in self.processes if p.role == role]
@@ -247,6 +251,7 @@ class Plan:
             "warnings": self.warnings,
             "inventory": self.inventory,
             "hosts_record": self.hosts_record,
+            "exposure": self.exposure,
         }
 
 

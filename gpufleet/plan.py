@@ -234,8 +234,10 @@ def compose(
         front = _front(replica)
         if ov.api_key:
             replica.append(_gateway(front))
+            # behind the gateway, which holds the client port on the host's address: the
+            # routers, and a worker clients would talk to, listen on loopback only
             for p in replica:
-                if p.role == "router":
+                if p.role == "router" or p is front:
                     p.bind = "127.0.0.1"
         replica[-1 if ov.api_key else replica.index(front)].front = True
         _render(replica, roles, target, model, draft, engine, catalog, cache, ov,
@@ -248,8 +250,9 @@ def compose(
         processes=processes, hosts={}, cache=cache, endpoint=_endpoint(fronts[0]),
         warnings=[], options=list(ov.options), inventory=inventory.source,
         api=_api(ov, inventory, processes), endpoints=[_endpoint(f) for f in fronts],
-        hosts_record=hosts_record_path(inventory.source),
+        hosts_record=hosts_record_path(inventory.source), pooled=ov.pooled,
     )
+    plan.exposure = _exposure(processes)
     plan.hosts = _host_requirements(plan, inventory)
     if image is None:
         problems += _engine_locks(plan, inventory, catalog)
@@ -722,6 +725,34 @@ def _api(ov: Overrides, inventory, processes: list[Process]) -> dict:
             "retries": GATEWAY_RETRIES if ov.pooled else 0,
             "routers": [_loopback(p) for p in processes
                         if p.role == "router"] if ov.pooled else []}
+
+
+def _listens_at_bind(p: Process) -> set[str]:
+    """The ports the plan binds to the process's address (its --host / --http-host, and
+    NIXL's side channel where it follows); where the others listen is the engine's own."""
+    return {"http"} | ({"nixl"} if p.env.get("VLLM_NIXL_SIDE_CHANNEL_HOST") == p.bind
+                       else set())
+
+
+def _exposure(processes: list[Process]) -> dict:
+    """Who may reach each port: clients the fronts' ports; nobody off the host the ports
+    the plan binds to loopback (beside a gateway's own port, which is the gateway's on
+    the host's address); the deployment's hosts the rest (the firewall role closes those
+    to everyone else where it is on). The deploy proves it (playbooks/verify.yml)."""
+    gateway_ports = {(g.host, g.ports["http"]) for g in processes if g.role == "gateway"}
+    out: dict[str, list[dict]] = {"clients": [], "loopback": [], "peers": []}
+    for p in processes:
+        for name, port in p.ports.items():
+            entry = {"process": p.name, "host": p.host, "address": p.address,
+                     "name": name, "port": port}
+            if p.front and name == "http":
+                out["clients"].append(entry)
+            elif p.bind == "127.0.0.1" and name in _listens_at_bind(p):
+                if (p.host, port) not in gateway_ports:
+                    out["loopback"].append(entry)
+            else:
+                out["peers"].append(entry)
+    return out
 
 
 def _endpoint(front: Process) -> str:

@@ -187,19 +187,39 @@ def gpus_disjoint(plan: Plan, catalog) -> list[Problem]:
     return problems
 
 
+def _shares_socket(a: Process, b: Process, name: str) -> bool:
+    """Whether the gateway a and b's port NAME would take one socket: b's HTTP port
+    listens at b's bind (the plan's --host), which may sit beside the gateway on another
+    address of the host; any other port may listen anywhere."""
+    return name != "http" or b.bind in ("0.0.0.0", a.bind)
+
+
 def ports_unique(plan: Plan, catalog) -> list[Problem]:
+    """No two listeners on one port of a host: the engines', routers' and etcd's ports
+    apart, and the gateway's client port on an address the process behind it leaves
+    free (that one on loopback, or on another address)."""
     problems = []
-    by_host: dict[str, dict[int, str]] = {}
-    # the gateway shares its port with the process behind it, on another address
+    by_host: dict[str, dict[int, tuple[Process, str]]] = {}
     for p in (p for p in plan.processes if p.role != "gateway"):
         used = by_host.setdefault(p.host, {})
         for name, port in p.ports.items():
             if port in used:
                 problems.append(Problem(
                     f"{p.name}.ports.{name}", f"port {port} on {p.host} is also used by "
-                    f"{used[port]}", f"set ports.{p.role}.{name} to a free port"))
+                    f"{used[port][0].name} ({used[port][1]})",
+                    f"set ports.{p.role}.{name} to a free port"))
             else:
-                used[port] = f"{p.name} ({name})"
+                used[port] = (p, name)
+    for g in plan.by_role("gateway"):
+        port = g.ports["http"]
+        other, name = by_host.get(g.host, {}).get(port, (None, ""))
+        if other is not None and _shares_socket(g, other, name):
+            problems.append(Problem(
+                f"{other.name}.ports.{name}",
+                f"the API gateway holds port {port} on {g.bind} ({g.host}) and "
+                f"{other.name} would listen on {other.bind}:{port} too",
+                f"set ports.{other.role}.{name} to another port; the gateway keeps "
+                f"{port} for clients"))
     return problems
 
 

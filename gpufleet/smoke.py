@@ -154,6 +154,22 @@ def check_models(s: Smoke, **_) -> str:
     return f"{s.model} listed"
 
 
+def check_key(s: Smoke, **_) -> str:
+    """The endpoint refuses what comes without the key: the model list and a generation."""
+    if not s.key:
+        return "skip: the deployment takes no API key"
+    bare = Smoke(s.root, s.model, s.engine, None, s.timeout)
+    body = {"model": s.model, "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}
+    for method, path, data in (("GET", "/v1/models", None),
+                               ("POST", "/v1/chat/completions", body)):
+        status = bare.http(method, path, data)[0]
+        if status not in (401, 403):
+            raise Failed(f"{method} {path} without the API key answered {status}",
+                         "the endpoint is not behind the gateway: is gpufleet-gateway "
+                         "active, and does another process hold its port?")
+    return "refused without the key (models, chat)"
+
+
 def check_ready(s: Smoke, ready_max_tokens: int = 64, ready_effort: str | None = "low",
                 **_) -> str:
     sent = f"temperature=0 max_tokens={ready_max_tokens}"
@@ -357,7 +373,7 @@ def check_clear_thinking(s: Smoke, **_) -> str:
     return "turn 2 prompt without turn 1's reasoning"
 
 
-CHECKS = {"models": check_models, "ready": check_ready, "stream": check_stream,
+CHECKS = {"models": check_models, "key": check_key, "ready": check_ready, "stream": check_stream,
           "completions": check_completions, "reasoning": check_reasoning,
           "tool_call": check_tool_call, "json_schema": check_json_schema,
           "messages": check_messages, "image": check_image,

@@ -80,7 +80,7 @@ def test_the_roles_read_the_slice_and_the_playbooks_nothing_else():
     # teardown's that forgets them)
     assert sorted({f for f, var, _ in found if var == "gpufleet_plan"}) == [
         "playbooks/plan.yml", "playbooks/preflight.yml", "playbooks/serve.yml",
-        "playbooks/smoke.yml", "playbooks/teardown.yml"]
+        "playbooks/smoke.yml", "playbooks/teardown.yml", "playbooks/verify.yml"]
     assert not any("hostvars['localhost']" in p.read_text() for p in SOURCES)
 
 

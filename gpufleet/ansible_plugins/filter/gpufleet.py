@@ -79,6 +79,15 @@ def pool_drops(listed: list) -> list:
     return calls
 
 
+def unsteady(now: list, before: list) -> list:
+    """The units of a gpufleet_units report that are not active and running, or whose
+    restart count moved since an earlier report (each with `before`, that count)."""
+    earlier = {u["unit"]: u["restarts"] for u in before or []}
+    return [dict(u, before=earlier.get(u["unit"], u["restarts"])) for u in now or []
+            if u["active"] != "active" or u["sub"] != "running"
+            or u["restarts"] != earlier.get(u["unit"], u["restarts"])]
+
+
 class FilterModule:
     def filters(self):
         return {
@@ -90,4 +99,5 @@ class FilterModule:
             "gpufleet_pool_others": pool_others,
             "gpufleet_pool_worker_id": pool_worker_id,
             "gpufleet_pool_drops": pool_drops,
+            "gpufleet_unsteady": unsteady,
         }

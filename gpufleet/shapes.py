@@ -1,0 +1,107 @@
+"""Plan shapes: what a deployment looks like to the hosts, apart from its flags.
+
+Two plans have one shape when they run the same roles, placed alike across their hosts,
+each listening alike (all addresses, loopback, or the host's own address), with or
+without the API gateway, a pool, replicas, from a venv or an image, of one engine
+family. A lab deploy of one plan of a shape proves what a deploy promises (the right
+process on each port, the key enforced, internal ports closed) for every plan of it,
+so the suite deploys one of each (tests/integration/test_shapes.py); tests/shapes.yml
+lists them, and a unit test fails when the catalog grows one it does not list.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+from . import catalog as cat
+from . import inventory as inv_mod
+from .model import ENGINE_ROLES, Overrides, Plan, PlanError
+
+# the documented options that change a plan's shape (and how a plan asks for each)
+VARIANTS = ("pool", "replicas", "image", "no-key")
+
+
+@dataclass(frozen=True)
+class Case:
+    """A target and the options a representative of a shape is planned with."""
+
+    target: str
+    variants: tuple[str, ...] = ()
+
+    @property
+    def name(self) -> str:
+        return "+".join((self.target, *self.variants))
+
+
+def _bind_kind(bind: str) -> str:
+    return {"0.0.0.0": "any", "127.0.0.1": "loopback"}.get(bind, "address")
+
+
+def shape(plan: Plan) -> str:
+    """A plan's shape as one line: family, runtime, gateway, pool, replicas, then each
+    process of the first copy as role@host-index:bind (hosts numbered in plan order)."""
+    first_copy = plan.processes
+    if len(plan.endpoints) > 1:  # replicas: every copy alike, on a host of its own
+        first = plan.processes[0].host
+        first_copy = [p for p in plan.processes if p.host == first]
+    hosts = list(dict.fromkeys(p.host for p in first_copy))
+    procs = sorted(f"{p.role}@{hosts.index(p.host)}:{_bind_kind(p.bind)}"
+                   + ("*" if p.front else "") for p in first_copy)
+    runtime = "image" if any(p.container for p in plan.processes) else "venv"
+    flags = [plan.target.engine, runtime,
+             "gateway" if plan.api.get("key_required") else "open",
+             "pool" if plan.pooled else "single",
+             "replicas" if len(plan.endpoints) > 1 else "one"]
+    return " ".join(flags) + " | " + " ".join(procs)
+
+
+def overrides(case: Case, catalog=None) -> dict:
+    """The overrides a case's variants stand for (pool: one worker of each engine role,
+    the pooled form a count change keeps)."""
+    catalog = catalog or cat.load()
+    target = catalog.targets[case.target]
+    topology = catalog.topologies[target.topology]
+    ov: dict = {}
+    if "pool" in case.variants:
+        ov["workers"] = {s.role: 1 for s in topology.processes if s.role in ENGINE_ROLES}
+    if "replicas" in case.variants:
+        ov["replicas"] = True
+    if "image" in case.variants:
+        ov["runtime"] = "image"
+    if "no-key" in case.variants:
+        ov["api_key"] = False
+    return ov
+
+
+def inventory_for(case: Case, catalog=None) -> inv_mod.Inventory | None:
+    """Placeholder hosts, with two in the group for replicas (one copy each)."""
+    if "replicas" not in case.variants:
+        return None
+    catalog = catalog or cat.load()
+    groups = catalog.topologies[catalog.targets[case.target].topology].groups
+    return inv_mod.placeholder({g: 2 for g in groups})
+
+
+def plan_case(case: Case, catalog=None):
+    from .plan import make_plan
+
+    return make_plan(case.target, inventory_for(case, catalog), overrides(case, catalog))
+
+
+def all_shapes() -> dict[str, list[Case]]:
+    """Every shape over every offered target and every combination of the variants that
+    plans (a combination the planner refuses, such as a pool with replicas, is no shape),
+    each with the cases that have it, in catalog order."""
+    catalog = cat.load()
+    out: dict[str, list[Case]] = {}
+    for name in catalog.targets:
+        for k in range(len(VARIANTS) + 1):
+            for variants in itertools.combinations(VARIANTS, k):
+                case = Case(name, variants)
+                try:
+                    plan = plan_case(case, catalog)
+                except PlanError:
+                    continue
+                out.setdefault(shape(plan), []).append(case)
+    return out

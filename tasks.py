@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -26,6 +27,31 @@ ROOT = Path(__file__).resolve().parent
 LAB = ROOT / "lab"
 DEFAULT_INVENTORY = "inventories/lab"
 ROLES = ["etcd", *ENGINE_ROLES, "router", "gateway"]
+# `fab targets | head -1`: a closed pipe ends the output quietly, as for any command-line tool
+signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+
+
+def _format(value: str, *choices: str) -> str:
+    """--format's value, one of choices (text first), or exit 2 naming them."""
+    if value not in choices:
+        raise Exit(f"gpufleet: --format {value!r} is not one of {', '.join(choices)}", code=2)
+    return value
+
+
+def _number(flag: str, value, kind=int, low=None, high=None):
+    """A numeric option's value, or exit 2 naming the flag and what it takes."""
+    try:
+        number = kind(value)
+    except (TypeError, ValueError):
+        number = None
+    if number is None or (low is not None and number < low) or (
+            high is not None and number > high):
+        what = "an integer" if kind is int else "a number"
+        bounds = (f" from {low}" if low is not None else "") + (
+            f" to {high}" if high is not None else "")
+        dashes = "-" if len(flag) == 1 else "--"
+        raise Exit(f"gpufleet: {dashes}{flag} {value!r}: give {what}{bounds}", code=2)
+    return number
 
 PLAN_HELP = {
     "target": "target name (fab targets); default: gpufleet_target from the inventory",
@@ -48,6 +74,28 @@ def _plan(target, inventory, with_="", set_=None, unset=None, runtime=None):
         return cli.build(target, inventory, with_, set_, unset, runtime)
     except (PlanError, InventoryError) as exc:
         raise Exit(f"gpufleet: refusing, nothing was changed:\n{exc}", code=2) from None
+
+
+def _deployed(target, inventory):
+    """The plan of what was last deployed to the inventory, for the tasks that act on a
+    deployment (status, logs, health, smoke, endpoint, restart, bench, teardown): with
+    --target, that target; else the target and options the inventory's last deploy served
+    (the controller's record of it), saying so, and the inventory's gpufleet_target where
+    none is recorded."""
+    if target:
+        return _plan(target, inventory)
+    from gpufleet.plan import hosts_record_path
+
+    try:
+        record = json.loads(Path(hosts_record_path(inventory)).read_text())
+    except (OSError, ValueError):
+        record = {}
+    if not record.get("target"):
+        return _plan(None, inventory)
+    print(f"gpufleet: {record['target']}, as last deployed to {inventory} (--target for "
+          "another)", file=sys.stderr)
+    return _plan(record["target"], inventory, ",".join(record.get("options") or []),
+                 runtime=record.get("runtime"))
 
 
 def _ansible(playbook, plan_obj, inventory, extra=None, capture=False, check=False):
@@ -115,6 +163,7 @@ def _unreachable(report: dict) -> list[str]:
 @task(help={"format": "text (default) or json"})
 def targets(c, format="text"):
     """List the deployment targets."""
+    _format(format, "text", "json")
     rows = cli.targets_table()
     if format == "json":
         print(json.dumps(rows, indent=2))
@@ -130,6 +179,7 @@ def targets(c, format="text"):
 def plan(c, target=None, inventory=None, with_="", set_=None, unset=None, runtime=None,
          format="text"):
     """Show every process a target runs: host, argv, environment, GPUs, ports, units."""
+    _format(format, "text", "json")
     try:
         p = cli.build(target, inventory, with_, set_, unset, runtime)
     except (PlanError, InventoryError) as exc:
@@ -185,7 +235,8 @@ def _api_key(p, inventory) -> str | None:
             "format": "text (default), json, or env (OPENAI_BASE_URL/OPENAI_API_KEY lines)"})
 def endpoint(c, target=None, inventory=DEFAULT_INVENTORY, format="text"):
     """The deployment's endpoint and API key (made on first deploy, kept 0600 here)."""
-    p = _plan(target, inventory)
+    _format(format, "text", "json", "env")
+    p = _deployed(target, inventory)
     key = _api_key(p, inventory)
     if format == "json":
         print(json.dumps({"endpoint": p.endpoint, "endpoints": p.endpoints,
@@ -206,16 +257,19 @@ def endpoint(c, target=None, inventory=DEFAULT_INVENTORY, format="text"):
             "input_len": "prompt tokens (seed 000: 8192)",
             "output_len": "generated tokens (seed 000: 1024)",
             "out": "where the JSON goes (default bench/results/serving-TARGET.json)"})
-def bench(c, target=None, inventory=DEFAULT_INVENTORY, concurrency=16, prompts=64,
-          input_len=8192, output_len=1024, out=None):
+def bench(c, target=None, inventory=DEFAULT_INVENTORY, concurrency="16", prompts="64",
+          input_len="8192", output_len="1024", out=None):
+    # numbers as text, read by _number: invoke's own int() of a bad value is a traceback
     """Load-test the deployed endpoint in seed 000's shape with AIPerf: TTFT, ITL, tok/s."""
     from gpufleet import bench as bench_mod
 
-    p = _plan(target, inventory)
+    sizes = {name: _number(name.replace("_", "-"), value, low=1) for name, value in (
+        ("concurrency", concurrency), ("prompts", prompts), ("input_len", input_len),
+        ("output_len", output_len))}
+    p = _deployed(target, inventory)
     key = _api_key(p, inventory)
     try:
-        result = bench_mod.run(p, key, concurrency=int(concurrency), prompts=int(prompts),
-                               input_len=int(input_len), output_len=int(output_len),
+        result = bench_mod.run(p, key, **sizes,
                                lab=bench_mod.is_lab(inventory), out=out)
     except bench_mod.BenchError as exc:
         raise Exit(f"gpufleet: bench: {exc}", code=1) from None
@@ -242,7 +296,7 @@ def cache(c, target=None, inventory=DEFAULT_INVENTORY, check=False):
 @task(help={"target": PLAN_HELP["target"], "inventory": PLAN_HELP["inventory"]})
 def smoke(c, target=None, inventory=DEFAULT_INVENTORY):
     """Run the smoke test against the deployment's endpoint (the official openai client)."""
-    p = _plan(target, inventory)
+    p = _deployed(target, inventory)
     _ansible(["playbooks/preflight.yml", "playbooks/smoke.yml"], p, inventory)
 
 
@@ -267,7 +321,8 @@ def _uptime(seconds: int) -> str:
 def status(c, target=None, inventory=DEFAULT_INVENTORY, format="text"):
     """Every unit of the deployment on every host: state, uptime, restarts, ready; and each
     host the health checker found sick (its restarts held)."""
-    p = _plan(target, inventory)
+    _format(format, "text", "json")
+    p = _deployed(target, inventory)
     per_host, bad = _status(p, inventory)
     rows = [{"host": h, **u} for h, r in sorted(per_host.items()) for u in r.get("units", [])]
     sick = {h: r["host_fault"] for h, r in sorted(per_host.items()) if r.get("host_fault")}
@@ -289,12 +344,13 @@ def status(c, target=None, inventory=DEFAULT_INVENTORY, format="text"):
 @task(help={"role": "only this role's units (worker, prefill, decode, router, etcd)",
             "n": "journal lines per unit (default 100)",
             "target": PLAN_HELP["target"], "inventory": PLAN_HELP["inventory"]})
-def logs(c, role=None, n=100, target=None, inventory=DEFAULT_INVENTORY):
+def logs(c, role=None, n="100", target=None, inventory=DEFAULT_INVENTORY):
     """The last journal lines of the deployment's units, host by host."""
     if role and role not in ROLES:
         raise Exit(f"gpufleet: unknown role {role!r}; choose from {', '.join(ROLES)}", code=2)
-    p = _plan(target, inventory)
-    per_host, bad = _status(p, inventory, [role] if role else None, int(n))
+    lines = _number("n", n, low=1)
+    p = _deployed(target, inventory)
+    per_host, bad = _status(p, inventory, [role] if role else None, lines)
     for host, result in sorted(per_host.items()):
         for u in result.get("units", []):
             print(f"==> {host} {u['unit']} ({u['active']}) <==")
@@ -309,7 +365,7 @@ def restart(c, role=None, target=None, inventory=DEFAULT_INVENTORY):
     """Rolling restart: one host at a time, each unit waited for until it serves again."""
     if role and role not in ROLES:
         raise Exit(f"gpufleet: unknown role {role!r}; choose from {', '.join(ROLES)}", code=2)
-    p = _plan(target, inventory)
+    p = _deployed(target, inventory)
     _ansible("playbooks/restart.yml", p, inventory,
              {"restart_roles": [role]} if role else None)
 
@@ -321,7 +377,7 @@ def teardown(c, target=None, inventory=DEFAULT_INVENTORY, purge_cache=False,
              purge_images=False):
     """Stop and remove everything gpufleet installed on the hosts; keeps the cache and the
     engine image unless --purge-cache / --purge-images."""
-    p = _plan(target, inventory)
+    p = _deployed(target, inventory)
     _ansible("playbooks/teardown.yml", p, inventory, {"teardown_cache": bool(purge_cache),
                                                       "teardown_images": bool(purge_images)})
 
@@ -330,7 +386,8 @@ def teardown(c, target=None, inventory=DEFAULT_INVENTORY, purge_cache=False,
             "format": "text (default) or json"})
 def health(c, target=None, inventory=DEFAULT_INVENTORY, format="text"):
     """Run the health checker on every host now, in parallel; non-zero if anything is sick."""
-    p = _plan(target, inventory)
+    _format(format, "text", "json")
+    p = _deployed(target, inventory)
     _rc, report = _ansible("playbooks/health_report.yml", p, inventory, capture=True)
     results = _host_json(report, "Health report | Run the checker", "healthy")
     bad = [h for h in _unreachable(report) if h not in results]
@@ -349,20 +406,22 @@ def health(c, target=None, inventory=DEFAULT_INVENTORY, format="text"):
             "gpus": "only these GPU indices, comma separated (default: every GPU the plan "
                     "uses)",
             "runtime": PLAN_HELP["runtime"], "format": "text (default) or json"})
-def acceptance(c, target=None, inventory=DEFAULT_INVENTORY, threshold=0.8, timeout=300,
+def acceptance(c, target=None, inventory=DEFAULT_INVENTORY, threshold="0.8", timeout="300",
                while_serving=False, gpus="", runtime=None, format="text"):
     """Prove the GPUs and their links deliver before serving: per host, an all_reduce
     across each engine's GPUs, a memory and matmul pass per GPU, dcgmi diag where present,
     against the hardware profile's figures; non-zero if any host falls short."""
-    threshold = float(threshold)
-    if not 0 < threshold <= 1 or int(timeout) <= 0:
-        raise Exit("gpufleet: --threshold must be in (0, 1] and --timeout positive", code=2)
+    _format(format, "text", "json")
+    threshold = _number("threshold", threshold, float)
+    timeout = _number("timeout", timeout, low=1)
+    if not 0 < threshold <= 1:
+        raise Exit(f"gpufleet: --threshold {threshold}: give a share in (0, 1]", code=2)
     if gpus and not all(g.strip().isdigit() for g in gpus.split(",")):
         raise Exit(f"gpufleet: --gpus {gpus!r}: GPU indices, comma separated (0,1)", code=2)
     p = _plan(target, inventory, runtime=runtime)
     _rc, report = _ansible("playbooks/acceptance.yml", p, inventory,
                            {"gpufleet_acceptance_threshold": threshold,
-                            "gpufleet_acceptance_timeout_s": int(timeout),
+                            "gpufleet_acceptance_timeout_s": timeout,
                             "acceptance_while_serving": bool(while_serving),
                             "acceptance_gpus": [int(g) for g in gpus.split(",") if g.strip()]},
                            capture=True)

@@ -7,6 +7,12 @@ and the Dynamo frontend). vllm-0.31.0-serve-flags.json: vLLM 0.31.0's wheel from
 vllm.entrypoints.launchers.cli_args on a CPU machine with VLLM_TARGET_DEVICE=cpu and the
 platform's device_type read as "cuda" (only --mm-processor-device's choices read it); the
 same dump of vLLM 0.33.0 gives vllm-0.33.0-serve-flags.json byte for byte.
+vllm-0.31.0-frontend-flags.json: the flags of that table that vLLM's OpenAI server adds
+for itself and Dynamo's vLLM worker does not take (the worker's parser is its own options
+plus AsyncEngineArgs'): the fields of BaseFrontendArgs and FrontendArgs in the same
+wheel's vllm/entrypoints/launchers/cli_args.py with their `--no-` forms, and what
+make_arg_parser adds before them (--api-server-count/-asc, --config, --grpc), less the
+ones the worker has itself (--headless, --exclude-tools-when-tool-choice-none).
 
 This module turns them into one lookup and checks an argv against it: an unknown flag,
 a value outside the flag's choices, a missing value or a JSON value that does not parse
@@ -43,6 +49,10 @@ PROGRAMS: dict[str, tuple[str, tuple[str, ...]]] = {
         ("sglang-router-0.3.2-launch-help.txt",),
     ),
 }
+
+# Flags a later table of a program lists that the program does not take: Dynamo's worker
+# parses vLLM's engine arguments, not its OpenAI server's (--host, --port, --api-key, ...).
+WITHOUT: dict[str, tuple[str, ...]] = {"dynamo.vllm": ("vllm-0.31.0-frontend-flags.json",)}
 
 # How many positional arguments each program takes (vllm serve: the model).
 POSITIONALS = {"vllm serve": 1}
@@ -109,7 +119,9 @@ def table(program: str) -> dict[str, dict]:
     """The merged option table of a program key in PROGRAMS, with the `--no-` forms
     its argparse tables imply (see negations)."""
     merged: dict[str, dict] = {}
-    for name in PROGRAMS[program][1]:
+    without = {flag for name in WITHOUT.get(program, ())
+               for flag in json.loads((TABLE_DIR / name).read_text())}
+    for n, name in enumerate(PROGRAMS[program][1]):
         text = (TABLE_DIR / name).read_text()
         if name.endswith(".json"):
             listed = json.loads(text)
@@ -117,7 +129,8 @@ def table(program: str) -> dict[str, dict]:
         else:
             entries = parse_help(text)
         for flag, spec in entries.items():
-            merged.setdefault(flag, spec)
+            if n == 0 or flag not in without:  # the program's own table is whole
+                merged.setdefault(flag, spec)
     return merged
 
 

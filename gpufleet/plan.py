@@ -354,6 +354,12 @@ def _check_inventory(target, topology, hardware, inventory, replicas=False,
         # replicas: a copy per host; pooled: the workers decide (_pool)
         if len(hosts) != count and not ((replicas or group in pooled) and hosts):
             single = list(topology.groups.values()) == [1] and len(hosts) > 1
+            # several hosts for engines a router could pool: what would run one on each
+            roles = [s.role for s in topology.processes if s.group == group
+                     and s.role in ENGINE_ROLES and not s.each]
+            poolable = len(hosts) > count and roles and not pooled and (
+                topology.pooled or any(s.role == "router" for s in topology.processes))
+            workers = "{" + ", ".join(f"{r}: {len(hosts)}" for r in roles) + "}"
             problems.append(Problem(
                 f"inventory.{group}",
                 f"target {target.name} needs exactly {count} host(s) in group {group!r}, "
@@ -361,6 +367,8 @@ def _check_inventory(target, topology, hardware, inventory, replicas=False,
                 + (f" ({', '.join(h.name for h in hosts)})" if hosts else ""),
                 f"put {count} host(s) in [{group}] (groups this target uses: "
                 f"{', '.join(topology.groups)})"
+                + (f", or run a worker on each behind one endpoint with gpufleet_workers: "
+                   f"{workers}" if poolable else "")
                 + (", or set gpufleet_replicas: true for a copy on each" if single else "")))
         for host in hosts:
             declared = host.vars.get("gpufleet_hardware")

@@ -167,6 +167,27 @@ def parallel_matches_gpus(plan: Plan, catalog) -> list[Problem]:
     return problems
 
 
+def context_parallel_fits(plan: Plan, catalog) -> list[Problem]:
+    """SGLang's attention context parallelism splits each TP group into --attn-cp-size
+    ranks: the size must divide the TP size (004's 8 is for 8-GPU TP groups)."""
+    problems = []
+    for p in _engines(plan):
+        try:
+            cp = _int(p, "--attn-cp-size")
+            tp = _int(p, "--tensor-parallel-size", "-tp", "--tp-size")
+        except (TypeError, ValueError):
+            continue  # not an integer: engine_limits says so
+        if cp > 1 and (cp > tp or tp % cp):
+            fits = [d for d in range(2, tp + 1) if tp % d == 0]
+            problems.append(Problem(
+                f"{p.name}.--attn-cp-size",
+                f"--attn-cp-size {cp} does not divide --tp-size {tp} on {p.name} "
+                f"({plan.hardware.product}: context parallelism splits the TP group)",
+                f"add --set {p.role}:--attn-cp-size={fits[-1] if fits else 1} (a divisor of "
+                f"{tp}), or drop the option"))
+    return problems
+
+
 def gpus_disjoint(plan: Plan, catalog) -> list[Problem]:
     problems = []
     limit = plan.hardware.gpus_per_node
@@ -373,6 +394,7 @@ RULES: list[Callable[[Plan, object], list[Problem]]] = [
     weights_fit,
     nvfp4_needs_blackwell,
     parallel_matches_gpus,
+    context_parallel_fits,
     gpus_disjoint,
     ports_unique,
     gateway_has_an_address,

@@ -12,14 +12,25 @@ lists them, and a unit test fails when the catalog grows one it does not list.
 from __future__ import annotations
 
 import itertools
+import sys
 from dataclasses import dataclass
+
+import yaml
 
 from . import catalog as cat
 from . import inventory as inv_mod
-from .model import ENGINE_ROLES, Overrides, Plan, PlanError
+from .model import ENGINE_ROLES, Plan, PlanError
 
 # the documented options that change a plan's shape (and how a plan asks for each)
 VARIANTS = ("pool", "replicas", "image", "no-key")
+# a shape's representative runs on the first of these its cases' hardware has (the lab's
+# default profile is an 8x H200 node; GB200 trays have a lab profile of their own)
+LAB_HARDWARE = ("h200", "gb200")
+# deployed by --slow only: the image runtime crossed with every layout (each engine's
+# image is built and served in every run by tests/integration/test_image_runtime.py), and
+# replicas (one copy of a single-node layout per host, each deployed in every run alone)
+SLOW_VARIANTS = ("image", "replicas")
+REGISTRY = "tests/shapes.yml"
 
 
 @dataclass(frozen=True)
@@ -105,3 +116,57 @@ def all_shapes() -> dict[str, list[Case]]:
                     continue
                 out.setdefault(shape(plan), []).append(case)
     return out
+
+
+def registry(shapes: dict[str, list[Case]] | None = None, deployed_by: dict | None = None
+             ) -> list[dict]:
+    """tests/shapes.yml's entries: each shape, how many cases have it, its representative
+    (on lab hardware where a case has it), whether only --slow deploys it, and the test
+    that deploys it where another than tests/integration/test_shapes.py does."""
+    catalog = cat.load()
+    shapes = shapes or all_shapes()
+    deployed_by = deployed_by or {}
+    out = []
+    for line, cases in shapes.items():
+        rank = {hw: i for i, hw in enumerate(LAB_HARDWARE)}
+        case = min(cases, key=lambda c: rank.get(catalog.targets[c.target].hardware,
+                                                  len(rank)))
+        entry = {"shape": line, "cases": len(cases), "case": case.name,
+                 # where another test deploys it, that test's own mark decides
+                 "slow": line not in deployed_by
+                 and any(v in SLOW_VARIANTS for v in case.variants)}
+        if line in deployed_by:
+            entry["by"] = deployed_by[line]
+        out.append(entry)
+    return out
+
+
+def case_of(name: str) -> Case:
+    target, *variants = name.split("+")
+    return Case(target, tuple(variants))
+
+
+def main(argv: list[str]) -> int:
+    """python -m gpufleet.shapes [--write]: print the registry (or write tests/shapes.yml,
+    keeping the `by` of each shape that still exists)."""
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / REGISTRY
+    old = yaml.safe_load(path.read_text()) if path.exists() else {"shapes": []}
+    by = {e["shape"]: e["by"] for e in old["shapes"] if e.get("by")}
+    entries = registry(deployed_by=by)
+    text = (
+        "# Every plan shape (gpufleet/shapes.py) over every target and documented option,\n"
+        "# made by `python -m gpufleet.shapes --write`; tests/unit/test_shapes.py fails when\n"
+        "# the catalog's shapes differ. tests/integration/test_shapes.py deploys each shape\n"
+        "# on the lab (its `case`) unless `by` names the test that does; `slow`: --slow only.\n"
+        + yaml.safe_dump({"total": len(entries), "shapes": entries}, sort_keys=False, width=100))
+    if "--write" in argv:
+        path.write_text(text)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -728,10 +728,14 @@ def check_xid(cfg, state, gpus=()):
         return result("gpu_xid", "", FAIL, "journalctl -k: {}. Action: check "
                       "systemd-journald".format(first_line(err) or f"exited {rc}"),
                       started), counts
-    for entry in out.splitlines():
+    unreadable = []  # output this check cannot read fails it: an Xid may hide there
+    for text in out.splitlines():
         try:
-            entry = json.loads(entry)
+            entry = json.loads(text)
+            if not isinstance(entry, dict):
+                raise ValueError("not an object")
         except ValueError:
+            unreadable.append(text)
             continue
         state["journal_cursor"] = entry.get("__CURSOR") or state.get("journal_cursor")
         line = entry.get("MESSAGE") or ""
@@ -747,9 +751,13 @@ def check_xid(cfg, state, gpus=()):
                 str(code), {"first": time.time(), "count": 0})
             seen["count"] += 1
             seen["message"] = line.strip()[-200:]
+    problems = []
+    if unreadable:
+        problems.append(f"journalctl -k -o json gave {len(unreadable)} line(s) that are not "
+                        f"journal JSON (first: {unreadable[0][:80]!r}). Action: check "
+                        "journalctl and systemd-journald")
     if fatal:
         by_pci = {pci_key(g["bus_id"]): g for g in gpus}
-        problems = []
         for pci, codes in sorted(fatal.items()):
             gpu = by_pci.get(pci)
             name = gpu_name(gpu) if gpu else "GPU at PCI " + pci
@@ -758,8 +766,10 @@ def check_xid(cfg, state, gpus=()):
                     code, name, seen["count"], time.strftime(
                         "%Y-%m-%d %H:%M:%S", time.localtime(seen["first"])),
                     XID_ACTIONS.get(int(code), "drain the host and reset the GPU")))
-        return result("gpu_xid", "", FAIL, "; ".join(problems) + " (red until a reboot, or "
-                      "healthcheck.py --clear-xid PCI after the GPU reset)", started), counts
+        problems[-1] += (" (red until a reboot, or healthcheck.py --clear-xid PCI after the "
+                         "GPU reset)")
+    if problems:
+        return result("gpu_xid", "", FAIL, "; ".join(problems), started), counts
     seen = ", ".join(f"Xid {c} x{n}" for c, n in sorted(counts.items(), key=lambda i: int(
         i[0]))) or "none"
     return result("gpu_xid", "", OK, f"no fatal Xid this boot ({seen})", started), counts

@@ -121,6 +121,9 @@ assert "-k" in sys.argv and "json" in sys.argv, sys.argv
 
 
 def show(n, line):
+    if line.startswith("RAW "):  # output that is not journal JSON (a broken journalctl)
+        print(line[4:], flush=True)
+        return
     # a line starting "BYTES " is sent as journald sends a message that is not UTF-8
     message = list(line[6:].encode()) + [0xff] if line.startswith("BYTES ") else line
     print(json.dumps({"__CURSOR": "s=fake;line=%d" % n, "MESSAGE": message}), flush=True)
@@ -1125,6 +1128,15 @@ def test_fatal_xid_is_read_once_and_stays_red_until_reset_or_reboot(host, engine
     proc = host.run()
     assert proc.returncode == 0, proc.stdout
     assert value(host.metrics(), "gpufleet_health_check_ok", check="gpu_xid", unit="") == 1
+    # output the check cannot read is a failed check, never a pass; the entries around it
+    # are still read
+    host.journal("RAW <journal file corrupted>\n"
+                 "NVRM: Xid (PCI:0000:00:07): 13, pid=1, Graphics Exception\n")
+    proc = host.run()
+    assert proc.returncode == 1, proc.stdout
+    assert re.search(r"^FAIL gpu_xid .*1 line\(s\) that are not journal JSON \(first: "
+                     r"'<journal file corrupted>'\)", proc.stdout, re.M), proc.stdout
+    assert value(host.metrics(), "gpufleet_gpu_xid_events_total", xid=13) == 1
 
 
 def write_ib_port(root: Path, hca: str, state="4: ACTIVE", phys="5: LinkUp",

@@ -57,15 +57,15 @@ def test_listeners_and_owner_are_read_from_proc(server):
 def test_the_units_own_socket_passes(server, monkeypatch):
     import os
     monkeypatch.setattr(ready, "unit_pids", lambda unit: {os.getpid()})
-    url = "http://127.0.0.1:%d/health" % server.getsockname()[1]
+    url = f"http://127.0.0.1:{server.getsockname()[1]}/health"
     assert ready.strangers("gpufleet-x.service", url) == []
 
 
 def test_another_process_on_the_port_is_named(server, monkeypatch):
     monkeypatch.setattr(ready, "unit_pids", lambda unit: {-1})
-    url = "http://127.0.0.1:%d/health" % server.getsockname()[1]
+    url = f"http://127.0.0.1:{server.getsockname()[1]}/health"
     (who,) = ready.strangers("gpufleet-x.service", url)
-    assert who.startswith("pid %d (" % __import__("os").getpid())
+    assert who.startswith(f"pid {__import__('os').getpid()} (")
 
 
 def test_a_wildcard_listener_counts_for_every_address(monkeypatch):
@@ -75,7 +75,7 @@ def test_a_wildcard_listener_counts_for_every_address(monkeypatch):
     sock.listen()
     try:
         monkeypatch.setattr(ready, "unit_pids", lambda unit: {-1})
-        url = "http://127.0.0.1:%d/" % sock.getsockname()[1]
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}/"
         assert len(ready.strangers("gpufleet-x.service", url)) == 1
     finally:
         sock.close()
@@ -90,11 +90,11 @@ def test_a_child_of_the_unit_owns_it_too(monkeypatch):
          "time.sleep(30)"], stdout=subprocess.PIPE, text=True)
     try:
         port = int(child.stdout.readline())
-        url = "http://127.0.0.1:%d/" % port
+        url = f"http://127.0.0.1:{port}/"
         monkeypatch.setattr(ready, "unit_pids", lambda unit: {os.getpid()})
         assert ready.strangers("gpufleet-x.service", url) == []
         monkeypatch.setattr(ready, "unit_pids", lambda unit: {-1})
-        assert "pid %d" % child.pid in ready.strangers("gpufleet-x.service", url)[0]
+        assert f"pid {child.pid}" in ready.strangers("gpufleet-x.service", url)[0]
     finally:
         child.kill()
         child.wait()
@@ -105,14 +105,14 @@ def test_nothing_listening_is_said():
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     sock.close()
-    (gap,) = ready.strangers("gpufleet-x.service", "http://127.0.0.1:%d/" % port)
-    assert gap == "no socket listens on 127.0.0.1:%d on this host" % port
+    (gap,) = ready.strangers("gpufleet-x.service", f"http://127.0.0.1:{port}/")
+    assert gap == f"no socket listens on 127.0.0.1:{port} on this host"
 
 
 def test_ipv6_words_are_read_in_host_order():
     # /proc/net/tcp6 of ::ffff:127.0.0.1 and of :: on a little- or big-endian host
     words = socket.inet_pton(socket.AF_INET6, "::ffff:127.0.0.1")
     import struct
-    hexaddr = "".join("%08X" % struct.unpack("=I", words[i:i + 4])[0] for i in range(0, 16, 4))
+    hexaddr = "".join(f"{struct.unpack('=I', words[i:i + 4])[0]:08X}" for i in range(0, 16, 4))
     assert str(ready._address(hexaddr)) == "127.0.0.1"
     assert ready._address("0" * 32).is_unspecified

@@ -33,6 +33,9 @@ CASES = {
         "GiB of weights"),
     "parallel_matches_gpus": (
         "gb200-tray", {"args": {"worker": {"--tensor-parallel-size": 2}}}, "TP 2"),
+    "context_parallel_fits": (
+        "sglang-gb300-low-latency", {"options": ["cp"]},
+        "--attn-cp-size 8 does not divide --tp-size 4"),
     "gpus_disjoint": (
         "h200-pd-1node", {"gpus": {"decode": [3, 4, 5, 6]}}, "already used by prefill"),
     "ports_unique": (

@@ -109,7 +109,7 @@ def listeners(port, proc="/proc"):
 
 def socket_owners(inodes, proc="/proc"):
     """pid -> the socket inodes among inodes that it has open."""
-    wanted = {"socket:[%s]" % i: i for i in inodes}
+    wanted = {f"socket:[{i}]": i for i in inodes}
     owners = {}
     for pid in (d for d in os.listdir(proc) if d.isdigit()):
         fd_dir = os.path.join(proc, pid, "fd")
@@ -162,8 +162,8 @@ def _describe(pid, proc="/proc"):
                 return fh.read().replace(b"\0", b" ").decode(errors="replace").strip()
         except OSError:
             return "?"
-    return "pid %d (%s; cgroup %s)" % (pid, read("cmdline")[:120],
-                                       read("cgroup").splitlines()[-1:] or "?")
+    cgroup = (read("cgroup").splitlines() or ["?"])[-1]
+    return f"pid {pid} ({read('cmdline')[:120]}; cgroup {cgroup})"
 
 
 def strangers(unit, url):
@@ -174,11 +174,11 @@ def strangers(unit, url):
     try:
         want = ipaddress.ip_address(socket.gethostbyname(parts.hostname))
     except (OSError, ValueError):
-        return ["%s does not resolve" % parts.hostname]
+        return [f"{parts.hostname} does not resolve"]
     socks = [inode for addr, inode in listeners(port)
              if addr == want or addr.is_unspecified]
     if not socks:
-        return ["no socket listens on %s:%d on this host" % (want, port)]
+        return [f"no socket listens on {want}:{port} on this host"]
     mine = unit_pids(unit)
     out = []
     for pid in sorted(socket_owners(socks)):

@@ -69,6 +69,42 @@ def test_bad_input_exits_2_with_the_fix():
     assert "nothing was changed" in proc.stderr
 
 
+@pytest.mark.parametrize("args,said", [
+    (["targets", "--format", "yaml"], "--format 'yaml' is not one of text, json"),
+    (["plan", "--target", "h200-agg", "--format", "jsno"], "--format 'jsno' is not one of"),
+    (["endpoint", "--format", "xml"], "--format 'xml' is not one of text, json, env"),
+    (["status", "--format", "yaml"], "--format 'yaml' is not one of text, json"),
+    (["health", "--format", "yaml"], "--format 'yaml' is not one of text, json"),
+    (["acceptance", "--threshold", "abc"], "--threshold 'abc': give a number"),
+    (["acceptance", "--threshold", "1.5"], "--threshold 1.5: give a share in (0, 1]"),
+    (["acceptance", "--timeout", "soon"], "--timeout 'soon': give an integer from 1"),
+    (["bench", "--concurrency", "x"], "--concurrency 'x': give an integer from 1"),
+    (["bench", "--output-len", "0"], "--output-len '0': give an integer from 1"),
+    (["logs", "-n", "many"], "-n 'many': give an integer from 1"),
+])
+def test_a_bad_option_value_exits_2_naming_it_without_a_traceback(args, said):
+    proc = fab(*args, check=False)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert said in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_a_closed_pipe_ends_the_listing_quietly():
+    """`fab targets | head -1`: no BrokenPipeError."""
+    proc = subprocess.run(f"{FAB} targets | head -1", shell=True, cwd=ROOT, text=True,
+                          capture_output=True, check=False)
+    assert proc.stdout.startswith("target ") and proc.stderr == "", proc.stderr
+
+
+@pytest.mark.parametrize("override", ["--port=8000", "--host=0.0.0.0", "--api-key=k",
+                                      "--uvicorn-log-level=info", "--tool-call-parser=glm47"])
+def test_dynamo_workers_refuse_the_vllm_server_flags(override):
+    """Dynamo 1.6.1's `dynamo.vllm` parses vLLM's engine arguments, not its OpenAI
+    server's: the real parser refuses these, so the plan does."""
+    proc = fab("plan", "--target", "h200-agg", "--set", f"worker:{override}", check=False)
+    flag = override.split("=")[0]
+    assert proc.returncode == 2 and f"unknown flag {flag}" in proc.stderr, proc.stderr
+
+
 def test_set_overrides_are_refused_when_they_break_a_rule():
     proc = fab("plan", "--target", "h200-pd-1node", "--set",
                "decode:VLLM_KV_CACHE_LAYOUT=NHD", check=False)

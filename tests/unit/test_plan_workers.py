@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from gpufleet import inventory as inv_mod
@@ -360,3 +362,15 @@ def test_the_controller_records_a_deployments_hosts_beside_its_api_key(tmp_path,
     plan = make_plan("h200-pd-1node", hosts(workers=2), {"workers": {"decode": 2}})
     assert plan.to_json()["hosts_record"] == plan.hosts_record == hosts_record_path(
         plan.inventory)
+
+
+@pytest.mark.parametrize("target,groups,line", [
+    ("h200-disagg", {"prefill": 1, "decode": 2}, "gpufleet_workers: {decode: 2}"),
+    ("sglang-h200-pd", {"prefill": 3, "decode": 1}, "gpufleet_workers: {prefill: 3}"),
+    ("sglang-h200-low-latency", {"workers": 2}, "gpufleet_workers: {worker: 2}"),
+])
+def test_more_hosts_than_the_layout_takes_are_refused_with_the_workers_line(
+        target, groups, line):
+    """What a user with two decode hosts meant: one worker on each behind the router."""
+    with pytest.raises(PlanError, match=re.escape(line)):
+        make_plan(target, inv_mod.placeholder(groups))

@@ -146,6 +146,13 @@ def case_of(name: str) -> Case:
     return Case(target, tuple(variants))
 
 
+class _Dumper(yaml.SafeDumper):
+    """Lists indented under their key, as yamllint's default style wants."""
+
+    def increase_indent(self, flow=False, indentless=False):
+        return super().increase_indent(flow, False)
+
+
 def main(argv: list[str]) -> int:
     """python -m gpufleet.shapes [--write]: print the registry (or write tests/shapes.yml,
     keeping the `by` of each shape that still exists)."""
@@ -160,7 +167,8 @@ def main(argv: list[str]) -> int:
         "# made by `python -m gpufleet.shapes --write`; tests/unit/test_shapes.py fails when\n"
         "# the catalog's shapes differ. tests/integration/test_shapes.py deploys each shape\n"
         "# on the lab (its `case`) unless `by` names the test that does; `slow`: --slow only.\n"
-        + yaml.safe_dump({"total": len(entries), "shapes": entries}, sort_keys=False, width=100))
+        + "---\n" + yaml.dump({"total": len(entries), "shapes": entries}, Dumper=_Dumper,
+                              sort_keys=False, width=100))
     if "--write" in argv:
         path.write_text(text)
     else:

@@ -6,9 +6,11 @@ restarts). The test asks again from here, so a verify play that passed a broken 
 fails too: the endpoint refuses a request without the key (or, planned open, serves it)
 and serves one with it, and no port the plan keeps on loopback answers.
 
-Shapes another test deploys name it (`by`), and are not deployed twice. The smoke test is
-left out (the verify play holds the key check; each engine family's smoke test runs in
-test_deploy.py and test_image_runtime.py); the deploy is otherwise site.yml as it is.
+Shapes another test deploys name it (`by`), and are not deployed twice. The smoke test and
+the health checker are left out (the verify play holds the key check; each engine family's
+smoke test and the health timer run in test_deploy.py and test_image_runtime.py), and a
+shape whose engine this module already prepared on the lab deploys its cache, serve and
+verify phases alone (the engine's runtime is the same whatever the shape).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from labutil import ROOT, fab, lab_inventory, playbook
+from labutil import ROOT, fab, lab_inventory, playbook, ssh
 
 from gpufleet import catalog as cat
 from gpufleet import shapes
@@ -86,11 +88,29 @@ def _answers(address: str, port: int) -> bool:
         return False
 
 
+@pytest.fixture(scope="module")
+def prepared(_lab_session):
+    """(lab profile, engine, runtime) that a deploy of this module prepared: a later shape
+    of the same deploys only its checkpoint, units and promises (cache, serve, verify)."""
+    return set()
+
+
+def _quiet_health(profile: str) -> None:
+    """The lab of this profile up, and the health timer of an earlier deploy stopped: this
+    module deploys no health checker (each deploy would restart it), and one left checking
+    another shape's units would restart units of the same name under the verify play."""
+    lab_hosts.up(hosts=2, profiles=[profile])
+    for host in HOSTS:
+        ssh(host, "systemctl stop gpufleet-health.timer gpufleet-health.service "
+                  "gpufleet-health-watch.service 2>/dev/null; true")
+
+
 @pytest.mark.parametrize("entry", _params())
-def test_the_shape_deploys_and_keeps_its_promises(entry, _lab_session, tmp_path):
+def test_the_shape_deploys_and_keeps_its_promises(entry, prepared, tmp_path):
     case = shapes.case_of(entry["case"])
-    hardware = cat.load().targets[case.target].hardware
-    lab_hosts.up(hosts=2, profiles=[PROFILES[hardware]])
+    target = cat.load().targets[case.target]
+    profile = PROFILES[target.hardware]
+    _quiet_health(profile)
     inv = _inventory(tmp_path, case)
     planned = fab("plan", "-i", inv, "--format", "json")
     assert planned.returncode == 0, planned.stdout[-3000:] + planned.stderr[-3000:]
@@ -99,7 +119,11 @@ def test_the_shape_deploys_and_keeps_its_promises(entry, _lab_session, tmp_path)
     expected = shapes.shape(shapes.plan_case(case))
     assert expected == entry["shape"], "stale tests/shapes.yml: python -m gpufleet.shapes --write"
 
-    run = playbook("-i", inv, "site.yml", "--skip-tags", "smoke")
+    kind = (profile, target.engine, "image" if "image" in case.variants else "venv")
+    phases = ("--tags", "cache,serve,verify") if kind in prepared else \
+        ("--skip-tags", "smoke,health")
+    run = playbook("-i", inv, "site.yml", *phases)
+    prepared.add(kind)
     assert run.returncode == 0, run.stdout[-6000:]
     assert "Verify | Units | Every unit active, running and not restarted" in run.stdout
 

@@ -1,40 +1,22 @@
-"""gpufleet_ready's proof that the unit itself answered: the sockets listening where its
-URL points belong to the unit's processes (or to their children, as a container's do to
-conmon), read from /proc as the module reads them on a host.
+"""gpufleet_ready's proof that the unit itself answered, and gpufleet_port_holders' answer
+of which units hold a port (gpufleet/module_utils/sockets.py): the sockets listening where
+a URL points belong to the unit's processes (or to their children, as a container's do to
+conmon), read from /proc as the modules read them on a host.
 
-Runs under every host Python (scripts/host-pythons): the module is loaded from its file,
-with a stand-in for Ansible's module base where the interpreter has no Ansible.
+Runs under every host Python (scripts/host-pythons).
 """
 
 from __future__ import annotations
 
-import importlib.util
+import os
 import socket
+import struct
 import subprocess
 import sys
-import types
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-MODULE = REPO / "gpufleet" / "ansible_plugins" / "modules" / "gpufleet_ready.py"
-
-
-def _load():
-    try:
-        import ansible.module_utils.basic  # noqa: F401
-    except ImportError:  # a host Python's venv: only what the checks read is needed
-        for name in ("ansible", "ansible.module_utils", "ansible.module_utils.basic"):
-            sys.modules.setdefault(name, types.ModuleType(name))
-        sys.modules["ansible.module_utils.basic"].AnsibleModule = object
-    spec = importlib.util.spec_from_file_location("gpufleet_ready", MODULE)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-ready = _load()
+from gpufleet.module_utils import sockets as ready
 
 
 @pytest.fixture
@@ -51,11 +33,10 @@ def test_listeners_and_owner_are_read_from_proc(server):
     found = ready.listeners(port)
     assert [str(addr) for addr, _ in found] == ["127.0.0.1"]
     owners = ready.socket_owners([inode for _, inode in found])
-    assert list(owners) == [__import__("os").getpid()]
+    assert list(owners) == [os.getpid()]
 
 
 def test_the_units_own_socket_passes(server, monkeypatch):
-    import os
     monkeypatch.setattr(ready, "unit_pids", lambda unit: {os.getpid()})
     url = f"http://127.0.0.1:{server.getsockname()[1]}/health"
     assert ready.strangers("gpufleet-x.service", url) == []
@@ -65,7 +46,7 @@ def test_another_process_on_the_port_is_named(server, monkeypatch):
     monkeypatch.setattr(ready, "unit_pids", lambda unit: {-1})
     url = f"http://127.0.0.1:{server.getsockname()[1]}/health"
     (who,) = ready.strangers("gpufleet-x.service", url)
-    assert who.startswith(f"pid {__import__('os').getpid()} (")
+    assert who.startswith(f"pid {os.getpid()} (")
 
 
 def test_a_wildcard_listener_counts_for_every_address(monkeypatch):
@@ -83,7 +64,6 @@ def test_a_wildcard_listener_counts_for_every_address(monkeypatch):
 
 def test_a_child_of_the_unit_owns_it_too(monkeypatch):
     """A container's process is conmon's child, conmon the unit's: owned."""
-    import os
     child = subprocess.Popen(
         [sys.executable, "-c", "import socket,sys,time; s=socket.socket(); "
          "s.bind(('127.0.0.1',0)); s.listen(); print(s.getsockname()[1], flush=True); "
@@ -112,7 +92,21 @@ def test_nothing_listening_is_said():
 def test_ipv6_words_are_read_in_host_order():
     # /proc/net/tcp6 of ::ffff:127.0.0.1 and of :: on a little- or big-endian host
     words = socket.inet_pton(socket.AF_INET6, "::ffff:127.0.0.1")
-    import struct
     hexaddr = "".join(f"{struct.unpack('=I', words[i:i + 4])[0]:08X}" for i in range(0, 16, 4))
     assert str(ready._address(hexaddr)) == "127.0.0.1"
     assert ready._address("0" * 32).is_unspecified
+
+
+def test_holders_name_the_unit_of_each_listener(server, monkeypatch, tmp_path):
+    """Which unit a listener runs in comes from its cgroup path (here: this process's)."""
+    port = server.getsockname()[1]
+    with open(f"/proc/{os.getpid()}/cgroup") as fh:
+        path = fh.read().splitlines()[-1].split(":", 2)[2]
+    unit = next((p for p in reversed(path.split("/")) if p.endswith(".service")), "")
+    assert ready.holders([port]) == {port: [unit] if unit else []}
+    fake = tmp_path / "proc" / "42"
+    fake.mkdir(parents=True)
+    (fake / "cgroup").write_text("0::/system.slice/gpufleet-gateway.service\n")
+    assert ready.unit_of(42, str(tmp_path / "proc")) == "gpufleet-gateway.service"
+    (fake / "cgroup").write_text("0::/user.slice/session-1.scope\n")
+    assert ready.unit_of(42, str(tmp_path / "proc")) == ""

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-PHASES = ["Prepare", "Cache", "Firewall", "Serve", "Smoke", "Health"]
+PHASES = ["Prepare", "Cache", "Firewall", "Serve", "Verify", "Smoke", "Health"]
 
 
 def listed(tag: str) -> dict[str, list[str]]:
@@ -33,7 +33,7 @@ def listed(tag: str) -> dict[str, list[str]]:
     return plays
 
 
-@pytest.mark.parametrize("tag", ["cache", "serve", "health"])
+@pytest.mark.parametrize("tag", ["cache", "serve", "verify", "health"])
 def test_a_phase_tag_selects_that_phase_alone(tag):
     plays = listed(tag)
     selected = [p for p in PHASES if plays.get(p)]

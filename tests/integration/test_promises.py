@@ -1,0 +1,91 @@
+"""A deploy proves its promises before it says done, on the shape that once hid an open
+endpoint: SGLang's single-node layout (sglang-h200-low-latency), whose worker is what
+clients talk to, behind the API gateway.
+
+Deployed, the gateway holds the client port and refuses a request without the key, from
+the controller and from another host, and the engine listens on loopback only. Then each
+broken promise is injected and the deploy (or its verify play) must fail naming it: a key
+the gateway no longer enforces; a stray process answering on the gateway's address and
+port while the gateway cannot bind there (the crash loop that once passed as ready).
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+import pytest
+from labutil import fab, playbook, ssh
+
+pytestmark = pytest.mark.lab
+
+TARGET = "sglang-h200-low-latency"
+ENDPOINT = "http://10.213.77.11:30000/v1"
+# answers 200 to anything, as an engine or an old process left on the port would
+STRAY = ("python3 -c 'import http.server as h; s = h.BaseHTTPRequestHandler; "
+         "s.do_GET = lambda r: (r.send_response(200), r.end_headers()); "
+         "h.HTTPServer((\"10.213.77.11\", 30000), s).serve_forever()'")
+
+
+def status(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as resp:
+            return resp.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+@pytest.fixture(scope="module")
+def deployed(lab):
+    proc = fab("deploy", "--target", TARGET)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    return proc
+
+
+def test_the_gateway_holds_the_port_and_the_engine_listens_on_loopback(deployed):
+    assert "Verify | Units | Every unit active, running and not restarted" in deployed.stdout
+    assert ssh("lab1", "systemctl is-active gpufleet-gateway.service").strip() == "active"
+    assert status(ENDPOINT + "/models") == 401
+    # from another host the port is the gateway's too
+    other = ssh("lab2", f"curl -s -o /dev/null -w '%{{http_code}}' {ENDPOINT}/models")
+    assert other == "401", other
+    listening = ssh("lab1", "ss -Hltnp 'sport = :30000'")
+    lines = sorted(line.split()[3] for line in listening.splitlines())
+    assert lines == ["10.213.77.11:30000", "127.0.0.1:30000"], listening
+    assert "nginx" in next(x for x in listening.splitlines() if "10.213.77.11:" in x)
+
+
+def test_a_key_the_gateway_no_longer_enforces_fails_the_verify_play(deployed):
+    ssh("lab1", "sed -i 's/default 0;/default 1;/' /etc/gpufleet/gateway/api-key.conf && "
+                "systemctl reload gpufleet-gateway.service", check=True)
+    assert status(ENDPOINT + "/models") == 200  # injected: open
+    run = playbook("-i", "inventories/lab", "site.yml", "-e", f"gpufleet_target={TARGET}",
+                   "--tags", "verify")
+    said = " ".join(run.stdout.split())
+    assert run.returncode != 0, run.stdout[-3000:]
+    assert f"{ENDPOINT}/models answered 200 without the API key" in said, run.stdout[-3000:]
+
+
+def test_a_stray_listener_on_the_gateway_port_fails_the_deploy_then_it_heals(deployed):
+    """The gateway cannot bind its port (another process holds it on the host's address
+    and answers /health): the deploy fails naming the process, not 'ready'."""
+    ssh("lab1", "systemctl stop gpufleet-gateway.service && "
+                f"systemd-run --unit=lab-stray --collect {STRAY}", check=True)
+    try:
+        assert status(ENDPOINT.removesuffix("/v1") + "/health") == 200  # the stray answers
+        broken = fab("deploy", "--target", TARGET)
+        said = " ".join((broken.stdout + broken.stderr).split())
+        assert broken.returncode != 0, broken.stdout[-3000:]
+        assert "gpufleet-gateway.service" in said and (
+            "not (only) from gpufleet-gateway.service" in said or "crashed" in said), \
+            broken.stdout[-4000:]
+    finally:
+        ssh("lab1", "systemctl stop lab-stray.service || true")
+    healed = fab("deploy", "--target", TARGET)
+    assert healed.returncode == 0, healed.stdout[-4000:]
+    assert status(ENDPOINT + "/models") == 401  # the tampered key map was repaired too
+    units = json.loads(fab("status", "--format", "json").stdout)["units"]
+    assert {u["unit"] for u in units} == {"gpufleet-worker.service",
+                                          "gpufleet-gateway.service"}
+    assert all(u["active"] == "active" for u in units), units

@@ -26,10 +26,15 @@ VARIANTS = ("pool", "replicas", "image", "no-key")
 # a shape's representative runs on the first of these its cases' hardware has (the lab's
 # default profile is an 8x H200 node; GB200 trays have a lab profile of their own)
 LAB_HARDWARE = ("h200", "gb200")
-# deployed by --slow only: the image runtime crossed with every layout (each engine's
-# image is built and served in every run by tests/integration/test_image_runtime.py), and
-# replicas (one copy of a single-node layout per host, each deployed in every run alone)
-SLOW_VARIANTS = ("image", "replicas")
+# deployed by --slow only (CI's time): the image runtime crossed with every layout (vLLM's
+# image is built and served in every run by tests/integration/test_image_runtime.py),
+# replicas (one copy of a single-node layout per host, each layout deployed in every run
+# alone), and every layout without the gateway (gpufleet_api_key: false: no key to prove;
+# what the verify play proves of it, steady units and closed loopback ports, is proven for
+# the same layout with the gateway in every run)
+SLOW_VARIANTS = ("image", "replicas", "no-key")
+# ... but one shape of each of them in every run: the gateway per copy on each host
+EVERY_RUN = ("h200-pd-1node+replicas",)
 REGISTRY = "tests/shapes.yml"
 
 
@@ -133,7 +138,7 @@ def registry(shapes: dict[str, list[Case]] | None = None, deployed_by: dict | No
                                                   len(rank)))
         entry = {"shape": line, "cases": len(cases), "case": case.name,
                  # where another test deploys it, that test's own mark decides
-                 "slow": line not in deployed_by
+                 "slow": line not in deployed_by and case.name not in EVERY_RUN
                  and any(v in SLOW_VARIANTS for v in case.variants)}
         if line in deployed_by:
             entry["by"] = deployed_by[line]

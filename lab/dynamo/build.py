@@ -35,7 +35,9 @@ NAME, VERSION, BUILD = "ai_dynamo", "1.6.1", "1lab"
 UPSTREAM = f"{NAME}-{VERSION}-py3-none-any.whl"
 OUTPUT = f"{NAME}-{VERSION}-{BUILD}-py3-none-any.whl"
 DIST_INFO = f"{NAME}-{VERSION}.dist-info"
-TABLES = ("dynamo-1.6.1-vllm-worker-flags.json", "vllm-0.31.0-serve-flags.json")
+# what engine_flags reads for `dynamo.vllm`: the tables it merges and the flags it leaves out
+TABLES = ("dynamo-1.6.1-vllm-worker-flags.json", "vllm-0.31.0-serve-flags.json",
+          "vllm-0.31.0-frontend-flags.json")
 DROP_REQUIRES = ("aisimulate", "transformers", "kubernetes")
 ADD_REQUIRES = ("packaging>=24", "pyyaml>=6")
 STAMP = (2026, 1, 1, 0, 0, 0)

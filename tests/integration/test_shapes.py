@@ -90,8 +90,9 @@ def _answers(address: str, port: int) -> bool:
 
 @pytest.fixture(scope="module")
 def prepared(_lab_session):
-    """(lab profile, engine, runtime) that a deploy of this module prepared: a later shape
-    of the same deploys only its checkpoint, units and promises (cache, serve, verify)."""
+    """What a deploy of this module prepared on each host (lab profile, host, runtime,
+    engine, system packages): a later shape that needs nothing else deploys only its
+    checkpoint, units and promises (cache, serve, verify)."""
     return set()
 
 
@@ -119,11 +120,14 @@ def test_the_shape_deploys_and_keeps_its_promises(entry, prepared, tmp_path):
     expected = shapes.shape(shapes.plan_case(case))
     assert expected == entry["shape"], "stale tests/shapes.yml: python -m gpufleet.shapes --write"
 
-    kind = (profile, target.engine, "image" if "image" in case.variants else "venv")
-    phases = ("--tags", "cache,serve,verify") if kind in prepared else \
+    # what prepare makes on each host: its engine runtime and the system packages the plan
+    # needs there (etcd for a Dynamo pool), on this profile's lab
+    kinds = {(profile, name, req["engine"]["runtime"], req["engine"]["name"],
+              tuple(req["system_packages"])) for name, req in plan["hosts"].items()}
+    phases = ("--tags", "cache,serve,verify") if kinds <= prepared else \
         ("--skip-tags", "smoke,health")
     run = playbook("-i", inv, "site.yml", *phases)
-    prepared.add(kind)
+    prepared.update(kinds)
     assert run.returncode == 0, run.stdout[-6000:]
     assert "Verify | Units | Every unit active, running and not restarted" in run.stdout
 

@@ -104,3 +104,17 @@ def test_each_program_is_checked_against_the_version_its_lock_installs():
         tables = engine_flags.PROGRAMS[program][1]
         assert f"vllm-{version}-serve-flags.json" in tables, (program, version, tables)
         assert f"vLLM {version}" in engine_flags.PROGRAMS[program][0]
+
+
+def test_the_dynamo_stand_in_ships_every_table_its_checker_reads():
+    """The lab's Dynamo wheel vendors engine_flags with the tables of `dynamo.vllm`: one
+    it lacks is a worker that cannot start (FileNotFoundError in the dry parse)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "dynamo_build", Path(__file__).resolve().parents[2] / "lab" / "dynamo" / "build.py")
+    build = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(build)
+    reads = set(engine_flags.PROGRAMS["dynamo.vllm"][1]) | set(
+        engine_flags.WITHOUT.get("dynamo.vllm", ()))
+    assert reads <= set(build.TABLES)

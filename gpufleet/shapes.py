@@ -169,9 +169,10 @@ def main(argv: list[str]) -> int:
     entries = registry(deployed_by=by)
     text = (
         "# Every plan shape (gpufleet/shapes.py) over every target and documented option,\n"
-        "# made by `python -m gpufleet.shapes --write`; tests/unit/test_shapes.py fails when\n"
-        "# the catalog's shapes differ. tests/integration/test_shapes.py deploys each shape\n"
-        "# on the lab (its `case`) unless `by` names the test that does; `slow`: --slow only.\n"
+        "# made by `python -m gpufleet.shapes --write`; tests/unit/test_shape_registry.py\n"
+        "# fails when the catalog's shapes differ. tests/integration/test_shapes.py deploys\n"
+        "# each shape on the lab (its `case`) unless `by` names the test that does;\n"
+        "# `slow`: --slow only.\n"
         + "---\n" + yaml.dump({"total": len(entries), "shapes": entries}, Dumper=_Dumper,
                               sort_keys=False, width=100))
     if "--write" in argv:

@@ -84,11 +84,12 @@ def _deployed(target, inventory):
     none is recorded."""
     if target:
         return _plan(target, inventory)
-    from gpufleet.plan import hosts_record_path
+    from gpufleet import inventory as inv_mod
+    from gpufleet.plan import PlanError, hosts_record_path
 
     try:
-        record = json.loads(Path(hosts_record_path(inventory)).read_text())
-    except (OSError, ValueError):
+        record = json.loads(Path(hosts_record_path(inv_mod.load(inventory))).read_text())
+    except (OSError, ValueError, PlanError, inv_mod.InventoryError):
         record = {}
     if not record.get("target"):
         return _plan(None, inventory)

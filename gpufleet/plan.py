@@ -10,18 +10,19 @@ in the project renders a command line.
 from __future__ import annotations
 
 import difflib
-import hashlib
 import json
 import os
+import re
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 from urllib.parse import quote
 
 from pydantic import ValidationError
 
+from . import apikey, rules
 from . import catalog as cat
 from . import inventory as inv_mod
-from . import rules
 from .catalog import lockfile
 from .model import (  # noqa: F401 (the planner's public names, as before the model module)
     DEFAULT_CACHE_DIR,
@@ -63,25 +64,47 @@ def suggest(name: str, choices: list[str]) -> str:
     return "run `fab targets` to list the targets"
 
 
-def controller_path(kind: str, inventory_source: str, suffix: str) -> str:
-    """Where the controller keeps a file of one deployment (one per inventory), outside
-    the repository: KIND/<the inventory's name>-<a hash of its full path>SUFFIX."""
+DEPLOYMENT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+# a hosts file's own name says nothing: the directory holding it names the inventory
+_GENERIC_INVENTORY_FILES = {"hosts", "inventory", "main", "all"}
+
+
+def deployment_id(inventory) -> str:
+    """What names a deployment on the controller (its API key, its hosts record): the
+    inventory's gpufleet_deployment, else the inventory's own name (`inventories/h200` and
+    `inventories/h200/hosts.yml` are both `h200`), never a path or HOME: another clone,
+    another operator or a job runner with a fresh HOME find the same deployment."""
+    given = inventory.vars.get("gpufleet_deployment")
+    if given is not None:
+        if not isinstance(given, str) or not DEPLOYMENT_ID.fullmatch(given):
+            raise PlanError([Problem(
+                field="gpufleet_deployment", message=f"{given!r} is not a deployment id",
+                fix="use 1-64 letters, digits, '.', '_' or '-', starting with a letter or "
+                    "digit")])
+        return given
+    path = Path(os.path.abspath(os.path.expanduser(inventory.source)))
+    if path.is_file() or path.suffix in (".yml", ".yaml", ".ini", ".json"):
+        stem = path.stem
+        return path.parent.name if stem in _GENERIC_INVENTORY_FILES else stem
+    return path.name or "inventory"
+
+
+def controller_path(kind: str, inventory, suffix: str) -> str:
+    """Where the controller keeps a file of one deployment, outside the repository:
+    $XDG_CONFIG_HOME/gpufleet/KIND/<deployment_id>SUFFIX."""
     base = os.environ.get("XDG_CONFIG_HOME") or os.path.expanduser("~/.config")
-    full = os.path.abspath(inventory_source)
-    digest = hashlib.sha256(full.encode()).hexdigest()[:8]
-    name = os.path.basename(full.rstrip("/")) or "inventory"
-    return os.path.join(base, "gpufleet", kind, f"{name}-{digest}{suffix}")
+    return os.path.join(base, "gpufleet", kind, f"{deployment_id(inventory)}{suffix}")
 
 
-def api_key_path(inventory_source: str) -> str:
+def api_key_path(inventory) -> str:
     """Where the controller keeps a deployment's API key (0600)."""
-    return controller_path("api-keys", inventory_source, ".key")
+    return controller_path("api-keys", inventory, ".key")
 
 
-def hosts_record_path(inventory_source: str) -> str:
+def hosts_record_path(inventory) -> str:
     """Where the controller records the hosts a deployment's last deploy served, so the
     next one retires those the plan no longer has (playbooks/serve.yml)."""
-    return controller_path("deployments", inventory_source, ".hosts.json")
+    return controller_path("deployments", inventory, ".hosts.json")
 
 
 class Repeat(list):
@@ -250,7 +273,7 @@ def compose(
         processes=processes, hosts={}, cache=cache, endpoint=_endpoint(fronts[0]),
         warnings=[], options=list(ov.options), inventory=inventory.source,
         api=_api(ov, inventory, processes), endpoints=[_endpoint(f) for f in fronts],
-        hosts_record=hosts_record_path(inventory.source), pooled=ov.pooled,
+        hosts_record=hosts_record_path(inventory), pooled=ov.pooled,
     )
     plan.exposure = _exposure(processes)
     plan.hosts = _host_requirements(plan, inventory)
@@ -728,11 +751,30 @@ def _api(ov: Overrides, inventory, processes: list[Process]) -> dict:
     # a pool behind the router: the gateway sends a request the router failed to it again
     # (to the next router where there are several: one of them may be restarting)
     return {"key_required": True,
-            "key_file": ov.api_key_file or api_key_path(inventory.source),
+            "key_file": _key_file(ov, inventory),
             "gateway_conf_dir": GATEWAY_CONF_DIR,
             "retries": GATEWAY_RETRIES if ov.pooled else 0,
             "routers": [_loopback(p) for p in processes
                         if p.role == "router"] if ov.pooled else []}
+
+
+def _key_file(ov: Overrides, inventory) -> str:
+    """The deployment's key file on the controller, checked now (before any host changes)
+    where it exists or was named: a file another than gpufleet made may be anything."""
+    named = os.path.expanduser(ov.api_key_file) if ov.api_key_file else None
+    path = named or api_key_path(inventory)
+    if named and not os.path.lexists(named):
+        raise PlanError([Problem(
+            field="gpufleet_api_key_file", message=f"{named} does not exist",
+            fix="write the key into it (0600), or set no gpufleet_api_key_file for a key "
+                "gpufleet makes and keeps")])
+    if os.path.lexists(path):
+        try:
+            apikey.read(path)
+        except apikey.KeyFileError as exc:
+            raise PlanError([Problem(field="gpufleet_api_key_file", message=exc.message,
+                                     fix=exc.fix)]) from None
+    return path
 
 
 def _listens_at_bind(p: Process) -> set[str]:

@@ -12,8 +12,10 @@ port while the gateway cannot bind there (the crash loop that once passed as rea
 from __future__ import annotations
 
 import json
+import stat
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 from labutil import fab, playbook, ssh
@@ -56,8 +58,57 @@ def test_the_gateway_holds_the_port_and_the_engine_listens_on_loopback(deployed)
     assert "nginx" in next(x for x in listening.splitlines() if "10.213.77.11:" in x)
 
 
+def keyed(key: str, header: str = "Authorization") -> int:
+    value = f"Bearer {key}" if header == "Authorization" else key
+    req = urllib.request.Request(ENDPOINT + "/models", headers={header: value})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return resp.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+def test_the_gateway_compares_the_key_exactly(deployed):
+    key = json.loads(fab("endpoint", "--format", "json").stdout)["api_key"]
+    assert keyed(key) == 200 and keyed(key, "x-api-key") == 200
+    # what a pattern would have let through: a prefix, a longer key, another case, a
+    # pattern's own characters, an empty header
+    for wrong in (key[:-1], key + "x", key.swapcase(), ".*", key[:8] + ".*", "", "|"):
+        assert keyed(wrong) == 401, wrong
+        assert keyed(wrong, "x-api-key") == 401, wrong
+
+
+def test_a_controller_without_the_key_keeps_the_one_the_gateway_has(deployed):
+    """A new clone, another operator, a job runner with a fresh HOME: the deploy keeps the
+    key clients use, it does not rotate it to a new random one."""
+    endpoint = json.loads(fab("endpoint", "--format", "json").stdout)
+    key, path = endpoint["api_key"], Path(endpoint["api_key_file"])
+    path.unlink()
+    again = fab("deploy", "--target", TARGET)
+    assert again.returncode == 0, again.stdout[-4000:]
+    assert path.read_text().strip() == key and stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert keyed(key) == 200
+
+
+def test_an_empty_key_file_is_refused_before_any_host_changes(deployed):
+    endpoint = json.loads(fab("endpoint", "--format", "json").stdout)
+    path = Path(endpoint["api_key_file"])
+    before = ssh("lab1", "sha256sum /etc/gpufleet/gateway/api-key.conf")
+    path.write_text("")
+    try:
+        refused = fab("deploy", "--target", TARGET)
+        said = " ".join((refused.stdout + refused.stderr).split())
+        assert refused.returncode == 2, said[-3000:]
+        assert "gpufleet_api_key_file" in said and "is empty" in said, said[-3000:]
+        assert "PLAY [" not in refused.stdout  # nothing ran on a host
+    finally:
+        path.write_text(endpoint["api_key"] + "\n")
+    assert ssh("lab1", "sha256sum /etc/gpufleet/gateway/api-key.conf") == before
+    assert keyed(endpoint["api_key"]) == 200
+
+
 def test_a_key_the_gateway_no_longer_enforces_fails_the_verify_play(deployed):
-    ssh("lab1", "sed -i 's/default 0;/default 1;/' /etc/gpufleet/gateway/api-key.conf && "
+    ssh("lab1", "sed -i 's/key_ok 0;/key_ok 1;/' /etc/gpufleet/gateway/api-key.conf && "
                 "systemctl reload gpufleet-gateway.service", check=True)
     assert status(ENDPOINT + "/models") == 200  # injected: open
     run = playbook("-i", "inventories/lab", "site.yml", "-e", f"gpufleet_target={TARGET}",

@@ -41,8 +41,8 @@ def client(endpoint, key):
 
 def test_the_endpoint_refuses_requests_without_the_key(deployed):
     url, key = deployed["endpoint"], deployed["api_key"]
-    assert re.fullmatch(r"[A-Za-z0-9]{48}", key)
-    for wrong in ("EMPTY", key[:-1], key + "x"):
+    assert re.fullmatch(r"[A-Za-z0-9_-]{48}", key)  # gpufleet.apikey: 36 random bytes
+    for wrong in ("EMPTY", key[:-1], key + "x", key.swapcase()):
         with pytest.raises(openai.AuthenticationError) as err:
             client(url, wrong).models.list()
         assert "fab endpoint" in str(err.value)

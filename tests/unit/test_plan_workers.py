@@ -350,18 +350,39 @@ def test_a_pool_call_body_names_only_what_the_plan_knows():
         PoolCall(method="PUT", path="/workers")
 
 
-def test_the_controller_records_a_deployments_hosts_beside_its_api_key(tmp_path, monkeypatch):
-    # one record per inventory (its full path), outside the repository: the next deploy of
-    # the same inventory retires the hosts its plan no longer has (playbooks/serve.yml)
-    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
-    from gpufleet.plan import api_key_path, hosts_record_path
-    a, b = hosts_record_path("inv/prod"), hosts_record_path("other/prod")
-    assert a.startswith(f"{tmp_path}/gpufleet/deployments/prod-") and a.endswith(".hosts.json")
-    assert a != b and hosts_record_path("inv/prod/") == a
-    assert api_key_path("inv/prod").startswith(f"{tmp_path}/gpufleet/api-keys/prod-")
+def test_the_controller_names_a_deployment_by_its_inventory_never_by_path_or_home(
+        tmp_path, monkeypatch):
+    # one record per deployment, outside the repository: the next deploy of the same
+    # inventory retires the hosts its plan no longer has (playbooks/serve.yml); another
+    # clone, `-i DIR` or `-i DIR/hosts.yml` find the same key and record
+    from gpufleet.inventory import Inventory
+    from gpufleet.plan import api_key_path, deployment_id, hosts_record_path
+
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "cfg"))
+    (tmp_path / "a" / "prod").mkdir(parents=True)
+    (tmp_path / "a" / "prod" / "hosts.yml").write_text("all: {}\n")
+    (tmp_path / "b" / "prod").mkdir(parents=True)
+    (tmp_path / "lab.ini").write_text("")
+
+    def inv(source, **vars):
+        return Inventory(hosts={}, groups={}, source=str(source), vars=vars)
+
+    same = [inv(tmp_path / "a" / "prod"), inv(tmp_path / "a" / "prod" / "hosts.yml"),
+            inv(f"{tmp_path}/a/prod/"), inv(tmp_path / "b" / "prod")]
+    assert {deployment_id(i) for i in same} == {"prod"}
+    assert deployment_id(inv(tmp_path / "lab.ini")) == "lab"
+    assert deployment_id(inv(tmp_path / "a" / "prod", gpufleet_deployment="prod-eu")) \
+        == "prod-eu"
+    assert hosts_record_path(same[0]) == f"{tmp_path}/cfg/gpufleet/deployments/prod.hosts.json"
+    assert api_key_path(same[1]) == f"{tmp_path}/cfg/gpufleet/api-keys/prod.key"
+    monkeypatch.setenv("HOME", str(tmp_path / "elsewhere"))
+    monkeypatch.delenv("XDG_CONFIG_HOME")
+    assert api_key_path(same[0]).endswith("/.config/gpufleet/api-keys/prod.key")
+    for bad in ("../x", "a b", "", "x" * 65, 42, "a\nb"):
+        with pytest.raises(PlanError, match="gpufleet_deployment"):
+            deployment_id(inv(tmp_path, gpufleet_deployment=bad))
     plan = make_plan("h200-pd-1node", hosts(workers=2), {"workers": {"decode": 2}})
-    assert plan.to_json()["hosts_record"] == plan.hosts_record == hosts_record_path(
-        plan.inventory)
+    assert plan.to_json()["hosts_record"] == plan.hosts_record
 
 
 @pytest.mark.parametrize("target,groups,line", [

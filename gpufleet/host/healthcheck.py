@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import errno
 import fcntl
 import glob
 import json
@@ -72,6 +73,7 @@ XID_RE = re.compile(r"NVRM: Xid \(([^)]*)\): (\d+)")
 # error: the check raised (a bug or an environment the checker did not expect); unhealthy
 # like fail, but never counted towards a restart (the unit may be fine)
 OK, FAIL, NA, ERROR = "ok", "fail", "na", "error"
+TIMED_OUT = "timed out"
 STATUSES = (OK, FAIL, NA, ERROR)
 
 
@@ -203,8 +205,26 @@ def validate(raw):
         "error_delta_max": dict(DEFAULT_IB_DELTA, **_field(
             ib, "error_delta_max", "ib", (dict,), {}, _counter_limits, COUNTER_LIMITS)),
     }
-    # a sick host's engines are stopped until its host checks pass again (drain)
-    cfg["drain"] = _field(raw, "drain", "", (bool,), True)
+    # a sick host's engines are stopped until its host checks pass again (drain): after
+    # after_runs runs in a row that find a host fault, back after return_after_runs runs in
+    # a row that find none, never the other way within cooldown_s of a change (a flapping
+    # fault costs one stop and one start per cooldown, not one per run). `drain: false`
+    # only holds restarts.
+    drain = _field(raw, "drain", "", (bool, dict), True)
+    drain = {"enabled": drain} if isinstance(drain, bool) else drain
+    cfg["drain"] = {
+        "enabled": _field(drain, "enabled", "drain", (bool,), True),
+        "after_runs": _field(drain, "after_runs", "drain", (int,), 2, _positive,
+                             "an integer >= 1"),
+        "return_after_runs": _field(drain, "return_after_runs", "drain", (int,), 3,
+                                    _positive, "an integer >= 1"),
+        "cooldown_s": _field(drain, "cooldown_s", "drain", NUM, 600, lambda v: v >= 0,
+                             "a number >= 0"),
+    }
+    # how long a run waits for the state lock a running (or stuck) one holds; default: a
+    # run's own time budget
+    cfg["lock_wait_s"] = _field(raw, "lock_wait_s", "", NUM, None, lambda v: v >= 0,
+                                "a number >= 0 or null")
     watch = _field(raw, "watch", "", (dict,), {})
     cfg["watch"] = {
         # how often the resident watcher (--watch) polls NVML or nvidia-smi and sysfs
@@ -286,7 +306,8 @@ def guarded_host(check, fn, cfg, empty):
 
 
 def run(argv, timeout):
-    """(rc, stdout, stderr); rc None when the tool is missing or timed out."""
+    """(rc, stdout, stderr); rc None when the tool is missing or timed out (TIMED_OUT in
+    stderr: the checker's own trouble, never a host fault)."""
     try:
         proc = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True,
                               timeout=timeout,
@@ -294,7 +315,7 @@ def run(argv, timeout):
     except FileNotFoundError:
         return None, "", f"{argv[0]}: not found"
     except subprocess.TimeoutExpired:
-        return None, "", f"{argv[0]}: timed out after {timeout}s"
+        return None, "", f"{argv[0]}: {TIMED_OUT} after {timeout}s"
     return proc.returncode, proc.stdout, proc.stderr
 
 
@@ -304,8 +325,8 @@ def first_line(text, limit=200):
 
 
 def unit_status(unit):
-    """ActiveState, LoadState, age of the current activation (s), NRestarts."""
-    props = "ActiveEnterTimestampMonotonic,ActiveState,LoadState,NRestarts"
+    """ActiveState, LoadState, UnitFileState, age of the current activation (s), NRestarts."""
+    props = "ActiveEnterTimestampMonotonic,ActiveState,LoadState,NRestarts,UnitFileState"
     rc, out, err = run(["systemctl", "show", "-p", props, unit], 10)
     if rc != 0:
         return {"error": first_line(err) or f"systemctl show exited {rc}"}
@@ -314,6 +335,7 @@ def unit_status(unit):
     age = time.monotonic() - entered / 1e6 if entered else None
     return {"active_state": values.get("ActiveState", "unknown"),
             "load_state": values.get("LoadState", "unknown"),
+            "enabled": values.get("UnitFileState") == "enabled",
             "age_s": age, "nrestarts": int(values.get("NRestarts") or 0)}
 
 
@@ -663,6 +685,11 @@ def check_nvidia(cfg, state):
                         rest="no data: nvidia-smi not found (see the gpu check)")
         return only(NA, "nvidia-smi not found")
     gpus, why = nvidia_smi_gpus(cfg["timeout_s"])
+    if why and TIMED_OUT in why:  # slow, not broken: its own alert, the host is not drained
+        return only(ERROR, f"nvidia-smi -q -x: {why}: the checker's tool is slow, not a GPU "
+                    "fault (not drained). Action: raise health_gpu_timeout_s if it stays "
+                    "slow; check the driver (dmesg) if it does not answer at all",
+                    rest="no data: nvidia-smi timed out (see the gpu check)")
     if why:
         return only(FAIL, f"nvidia-smi -q -x: {why}. Action: check the driver (dmesg), reboot "
                     "if it does not answer", rest="no data: nvidia-smi failed (see the gpu "
@@ -724,10 +751,10 @@ def check_xid(cfg, state, gpus=()):
         argv.append("--after-cursor=" + state["journal_cursor"])
     # filtered here rather than with -g: journalctl may be built without pattern support
     rc, out, err = run(argv, 20)
-    if rc != 0:
-        return result("gpu_xid", "", FAIL, "journalctl -k: {}. Action: check "
-                      "systemd-journald".format(first_line(err) or f"exited {rc}"),
-                      started), counts
+    if rc != 0:  # the checker's tool failed: its own alert (error), never a drain
+        return result("gpu_xid", "", ERROR, "journalctl -k: {}: the kernel log could not be "
+                      "read, no Xid seen (not drained). Action: check systemd-journald".format(
+                          first_line(err) or f"exited {rc}"), started), counts
     unreadable = []  # output this check cannot read fails it: an Xid may hide there
     for text in out.splitlines():
         try:
@@ -768,8 +795,9 @@ def check_xid(cfg, state, gpus=()):
                     XID_ACTIONS.get(int(code), "drain the host and reset the GPU")))
         problems[-1] += (" (red until a reboot, or healthcheck.py --clear-xid PCI after the "
                          "GPU reset)")
-    if problems:
-        return result("gpu_xid", "", FAIL, "; ".join(problems), started), counts
+    if problems:  # unreadable output alone is the tool's trouble, a fatal Xid the GPU's
+        return result("gpu_xid", "", FAIL if fatal else ERROR, "; ".join(problems),
+                      started), counts
     seen = ", ".join(f"Xid {c} x{n}" for c, n in sorted(counts.items(), key=lambda i: int(
         i[0]))) or "none"
     return result("gpu_xid", "", OK, f"no fatal Xid this boot ({seen})", started), counts
@@ -1194,16 +1222,39 @@ def drain_faults(cfg, held, statuses):
     return [c for c in held if not (c == "gpu_fabric" and services_down)]
 
 
-def drain(cfg, state, statuses, held, log):
-    """Take a sick host's engines out of service, and back once it is healthy. While a host
-    fault holds (held) and cfg["drain"] is on, stop the engine units that run: systemd's
-    SIGTERM makes vLLM and SGLang finish and close their ports, so the routers' health checks
-    and circuit breakers send elsewhere, and makes a Dynamo worker deregister from
-    discovery at once (drain_faults says which faults drain). When no host fault holds,
-    start exactly the units it stopped. state["drained"] lists them (a reboot or redeploy
-    between the two is harmless)."""
+def drain(cfg, state, statuses, held, log, lost=False):
+    """Take a sick host's engines out of service, and back once it is healthy. A run that
+    finds a host fault that drains (drain_faults) counts toward the drain, one that finds
+    no host fault toward the return (state["drain_runs"]); once cfg["drain"]'s after_runs
+    (return_after_runs) runs in a row did, and not within its cooldown_s of the last
+    change the other way, the engine units that run are stopped (systemd's SIGTERM makes
+    vLLM and SGLang finish and close their ports, so the routers' health checks and
+    circuit breakers send elsewhere, and makes a Dynamo worker deregister from discovery)
+    or exactly those it stopped are started. state["drained"] lists them; where the state
+    file was lost (lost), the enabled engine units that systemd has stopped are taken as
+    drained (a reboot starts them, a redeploy too: both harmless)."""
+    policy = cfg["drain"]
     names = {u["unit"] for u in cfg["units"]}
     drained = [n for n in state.get("drained") or [] if n in names]
+    if lost and policy["enabled"] and not drained:
+        drained = [u["unit"] for u in cfg["units"] if u["role"] in ENGINE_ROLES and
+                   statuses.get(u["unit"], {}).get("active_state") == "inactive" and
+                   statuses[u["unit"]].get("enabled")]
+        if drained:
+            log("INFO drain    - the state file was lost: taking the enabled, stopped "
+                "engines as drained: " + ", ".join(drained))
+    runs = state.setdefault("drain_runs", {"failing": 0, "passing": 0, "last": None})
+    draining = drain_faults(cfg, held, statuses)
+    runs["failing"], runs["passing"] = (runs["failing"] + 1, 0) if draining else (
+        (0, runs["passing"] + 1) if not held else (0, 0))
+    last = runs.get("last") or {}
+
+    def cooling(other):
+        since = time.time() - last.get("at", 0)
+        if last.get("what") == other and since < policy["cooldown_s"]:
+            return "{:.0f}s after the last {}, cooldown {:g}s".format(since, other,
+                                                                      policy["cooldown_s"])
+        return None
 
     def systemctl(verb, name, done):
         rc, _, err = run(["systemctl", verb, "--no-block", name], 30)
@@ -1213,20 +1264,32 @@ def drain(cfg, state, statuses, held, log):
             log(f"FAIL drain   {name} systemctl {verb} failed: {first_line(err) or rc}")
         return rc == 0
 
-    draining = drain_faults(cfg, held, statuses)
-    if draining and cfg["drain"]:
-        why = "stopped while the host is sick ({}); started again once its checks pass".format(
-            ", ".join(draining))
-        for unit in cfg["units"]:
-            name = unit["unit"]
-            running = statuses.get(name, {}).get("active_state") in (
-                "active", "activating", "reloading")
-            if unit["role"] in ENGINE_ROLES and name not in drained and running and \
-                    systemctl("stop", name, why):
-                drained.append(name)
-    elif not held:
-        drained = [n for n in drained
-                   if not systemctl("start", n, "the host is healthy again, started")]
+    running = [u["unit"] for u in cfg["units"] if u["role"] in ENGINE_ROLES and
+               u["unit"] not in drained and statuses.get(u["unit"], {}).get(
+                   "active_state") in ("active", "activating", "reloading")]
+    if draining and policy["enabled"] and running:
+        wait = cooling("return")
+        if runs["failing"] < policy["after_runs"]:
+            log("INFO drain    - {} failed in {} of the {} runs in a row that drain the "
+                "host".format(", ".join(draining), runs["failing"], policy["after_runs"]))
+        elif wait:
+            log(f"INFO drain    - {', '.join(draining)} failed; not draining yet: {wait}")
+        else:
+            why = ("stopped while the host is sick ({}); started again once its checks "
+                   "pass".format(", ".join(draining)))
+            drained += [n for n in running if systemctl("stop", n, why)]
+            runs["last"] = {"what": "drain", "at": time.time()}
+    elif not held and drained:
+        wait = cooling("drain")
+        if runs["passing"] < policy["return_after_runs"]:
+            log("INFO drain    - the host passed {} of the {} runs in a row before its "
+                "engines start".format(runs["passing"], policy["return_after_runs"]))
+        elif wait:
+            log(f"INFO drain    - the host is healthy; engines start later: {wait}")
+        else:
+            drained = [n for n in drained
+                       if not systemctl("start", n, "the host is healthy again, started")]
+            runs["last"] = {"what": "return", "at": time.time()}
     if drained:
         state["drained"] = drained
     else:
@@ -1412,6 +1475,31 @@ def metrics(cfg, results, statuses, state, gpu, xids, free, ib, ran_at, took, he
 
 
 # ------------------------------------------------------------------------------ main
+
+
+def take_lock(path, wait_s):
+    """(the state lock's file, held; None) or (None, why not) after waiting up to wait_s
+    for a run that holds it: a stuck run makes the next ones observe only, never wait
+    forever."""
+    try:
+        handle = open(path, "a")  # noqa: SIM115 - held until the run's files are written
+    except OSError as exc:
+        return None, f"state lock {path}: {exc}"
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return handle, None
+        except OSError as exc:
+            busy = exc.errno in (errno.EAGAIN, errno.EACCES)
+            if not busy or time.monotonic() > deadline:
+                handle.close()
+                return None, (
+                    f"another run has held {path} for over {wait_s:g}s: this run observes "
+                    "only (no restart, no drain, state unchanged). Action: find the stuck "
+                    "run (systemctl status gpufleet-health gpufleet-health-watch)"
+                    if busy else f"state lock {path}: {exc}")
+            time.sleep(0.2)
 
 
 def clear_xid(cfg, which, log):
@@ -1641,16 +1729,18 @@ def main(argv=None):
     started = time.monotonic()
     results = []
     state_path = cfg["state_file"]
+    budget = max([u["health_timeout_s"] + u["generate_timeout_s"] for u in cfg["units"]] +
+                 [4 * cfg["gpu"]["timeout_s"] + 20]) + 10  # amd-smi: 4 commands
     lock = None
     if not args.no_restart:  # one run at a time changes the state (cursor, streaks)
-        try:
-            lock = open(state_path + ".lock", "a")  # noqa: SIM115 - held until written
-            fcntl.flock(lock, fcntl.LOCK_EX)
-        except OSError as exc:
-            log(f"FAIL state   - state file {state_path}: {exc}")
-            results.append(result("state", "", FAIL, f"{state_path}: {exc}", started))
-            lock = None
+        wait = budget if cfg["lock_wait_s"] is None else cfg["lock_wait_s"]
+        lock, why = take_lock(state_path + ".lock", wait)
+        if why:
+            log(f"ERROR state  - {why}")
+            results.append(result("state", "", ERROR, why, started))
     state = load_state(state_path, log)
+    lost = "updated" not in state  # none written yet, or lost: systemd still knows
+    started = time.monotonic()  # the checks' own budget starts once the lock is held
     statuses = {u["unit"]: safe_unit_status(u["unit"]) for u in cfg["units"]}
     host_out = {}
     jobs = []
@@ -1664,15 +1754,16 @@ def main(argv=None):
     for _, _, thread in jobs:
         thread.start()
     host_thread.start()
-    budget = max([u["health_timeout_s"] + u["generate_timeout_s"] for u in cfg["units"]] +
-                 [4 * cfg["gpu"]["timeout_s"] + 20]) + 10  # amd-smi: 4 commands
     deadline = started + budget
 
     def no_result(check, unit, thread):
-        """Every configured check has a result: one still running past the budget fails,
-        one whose thread ended without a result is an error."""
+        """Every configured check has a result: a unit's still running past the budget
+        fails (its engine does not answer), a host check's is the checker's own trouble (a
+        tool that hangs: an error, never a drain); one whose thread ended without a result
+        is an error."""
         if thread.is_alive():
-            return result(check, unit, FAIL, f"did not finish within {budget}s", started)
+            return result(check, unit, FAIL if unit else ERROR,
+                          f"did not finish within {budget}s", started)
         return result(check, unit, ERROR, "gave no result (its thread ended early)", started)
 
     for unit, out, thread in jobs:
@@ -1711,7 +1802,7 @@ def main(argv=None):
         cfg, statuses, failed, state if lock else json.loads(json.dumps(state)), log,
         act=lock is not None, errored=errored, held=held)
     if lock is not None:
-        drain(cfg, state, statuses, held, log)
+        drain(cfg, state, statuses, held, log, lost=lost)
     if held:  # fab status reads it: the host is sick since the first run that saw it
         since = (state.get("host_fault") or {}).get("since") or time.time()
         state["host_fault"] = {"checks": held, "since": since}

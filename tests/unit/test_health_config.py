@@ -64,7 +64,7 @@ ONE_NODE = {
             "fabric": False},
     "ib": None,
     "watch": {"interval_s": 2.0},
-    "drain": True,
+    "drain": {"enabled": True, "after_runs": 2, "return_after_runs": 3, "cooldown_s": 600.0},
 }
 
 

@@ -54,8 +54,9 @@ if verb == "show":
               "ActiveEnterTimestampMonotonic=0")
         sys.exit(0)
     entered = int((time.monotonic() - u["age"]) * 1e6) if u["state"] == "active" else 0
-    print("ActiveEnterTimestampMonotonic=%d\nActiveState=%s\nLoadState=loaded\nNRestarts=%d"
-          % (entered, u["state"], u.get("nrestarts", 0)))
+    print("ActiveEnterTimestampMonotonic=%d\nActiveState=%s\nLoadState=loaded\nNRestarts=%d\n"
+          "UnitFileState=%s" % (entered, u["state"], u.get("nrestarts", 0),
+                                "enabled" if u.get("enabled", True) else "disabled"))
 elif verb == "is-active":
     print(u["state"] if u else "inactive")
     sys.exit(0 if u and u["state"] == "active" else 3)
@@ -1128,13 +1129,13 @@ def test_fatal_xid_is_read_once_and_stays_red_until_reset_or_reboot(host, engine
     proc = host.run()
     assert proc.returncode == 0, proc.stdout
     assert value(host.metrics(), "gpufleet_health_check_ok", check="gpu_xid", unit="") == 1
-    # output the check cannot read is a failed check, never a pass; the entries around it
-    # are still read
+    # output the check cannot read is never a pass: an error (the journal's trouble, not a
+    # GPU's: no drain); the entries around it are still read
     host.journal("RAW <journal file corrupted>\n"
                  "NVRM: Xid (PCI:0000:00:07): 13, pid=1, Graphics Exception\n")
     proc = host.run()
     assert proc.returncode == 1, proc.stdout
-    assert re.search(r"^FAIL gpu_xid .*1 line\(s\) that are not journal JSON \(first: "
+    assert re.search(r"^ERROR gpu_xid .*1 line\(s\) that are not journal JSON \(first: "
                      r"'<journal file corrupted>'\)", proc.stdout, re.M), proc.stdout
     assert value(host.metrics(), "gpufleet_gpu_xid_events_total", xid=13) == 1
 
@@ -1334,7 +1335,9 @@ def test_a_sick_host_drains_its_engines_and_starts_them_once_healthy(host, engin
 
     host.write_config(units=units, gpu=gpu, drain=False)
     assert host.run().returncode == 1
-    host.write_config(units=units, gpu=gpu)
+    # at once, both ways (the hysteresis: test_a_flapping_fault_drains_once_per_cooldown)
+    host.write_config(units=units, gpu=gpu,
+                      drain={"after_runs": 1, "return_after_runs": 1, "cooldown_s": 0})
     assert host.run("--no-restart").returncode == 1  # fab health observes only
     assert calls("stop") == []
     proc = host.run("--json")
@@ -1376,7 +1379,8 @@ def test_the_fabric_state_of_a_stopped_fabric_manager_holds_restarts_but_drains_
                       generate_url=None, served_name=None, depends_on=[fm]),
              {"unit": fm, "name": "nvidia-fabricmanager", "role": "host", "restart": False,
               "fix": "start it"}]
-    host.write_config(units=units, gpu={"vendor": "nvidia", "count": 2, "fabric": True})
+    host.write_config(units=units, gpu={"vendor": "nvidia", "count": 2, "fabric": True},
+                      drain={"after_runs": 1})
     proc = host.run("--json")
     report = json.loads(proc.stdout)
     assert report["host_fault"] == ["gpu_fabric"] and report["drained"] == [], proc.stderr
@@ -1386,6 +1390,151 @@ def test_the_fabric_state_of_a_stopped_fabric_manager_holds_restarts_but_drains_
                     decode: {"state": "active", "age": 100000},
                     fm: {"state": "active", "age": 100000}})
     assert json.loads(host.run("--json").stdout)["drained"] == [decode]
+
+
+DECODE = "gpufleet-decode.service"
+
+
+def drain_host(host, engine, fabric_ok=True, **drain):
+    """A host with a router and a decode engine whose GPU fabric is formed (fabric_ok) or not
+    (a host fault that drains); returns the systemctl stop/start calls so far."""
+    units = host.units_file.exists() and json.loads(host.units_file.read_text()) or {}
+    units.setdefault(UNIT, {"state": "active", "age": 100000})
+    units.setdefault(DECODE, {"state": "active", "age": 100000})
+    host.set_units(units)
+    xml = XML2.read_text()
+    host.nvidia_smi(xml if fabric_ok else xml.replace("<state>Completed</state>",
+                                                      "<state>In Progress</state>"))
+    host.nvlink(NVLINK_S.read_text(), nvlink_errors(2, 18))
+    host.write_config(units=[unit_cfg(engine.url, host.key_file),
+                             unit_cfg(engine.url, None, unit=DECODE, name="decode",
+                                      role="decode", generate_url=None, served_name=None)],
+                      gpu={"vendor": "nvidia", "count": 2, "fabric": True, "timeout_s": 1},
+                      drain=dict({"after_runs": 2, "return_after_runs": 2, "cooldown_s": 3600},
+                                 **drain))
+
+
+def stops_starts(host) -> list:
+    return [c[0] for c in map(json.loads, host.systemctl_log.read_text().splitlines())
+            if c[0] in ("stop", "start")]
+
+
+def age_last_change(host, seconds: float) -> None:
+    """The last drain or return happened `seconds` earlier (the cooldown's clock)."""
+    state = json.loads(host.state.read_text())
+    state["drain_runs"]["last"]["at"] -= seconds
+    host.state.write_text(json.dumps(state))
+
+
+def test_a_flapping_fault_drains_once_per_cooldown(host, engine):
+    """A fault must hold for after_runs runs in a row before the engines stop, and be gone
+    for return_after_runs before they start; neither change comes within cooldown_s of the
+    last one the other way: a fault that comes and goes on every run costs one stop and
+    one start per cooldown, not one per run (each start reloads the checkpoint)."""
+    drain_host(host, engine, fabric_ok=False)
+    proc = host.run()
+    assert stops_starts(host) == [], proc.stdout
+    assert "gpu_fabric failed in 1 of the 2 runs in a row that drain the host" in proc.stdout
+    drain_host(host, engine, fabric_ok=True)  # it passes once: the count starts over
+    host.run()
+    drain_host(host, engine, fabric_ok=False)
+    host.run()
+    assert stops_starts(host) == []
+    host.run()
+    assert stops_starts(host) == ["stop"]  # two in a row
+    assert json.loads(host.state.read_text())["drained"] == [DECODE]
+    # gone, back, gone, gone: the flapping fault starts nothing within the cooldown
+    for ok in (True, False, True, True, True):
+        drain_host(host, engine, fabric_ok=ok)
+        proc = host.run()
+    assert stops_starts(host) == ["stop"], proc.stdout
+    assert "the host is healthy; engines start later: " in proc.stdout
+    assert "after the last drain, cooldown 3600s" in proc.stdout
+    age_last_change(host, 3601)
+    host.run()
+    assert stops_starts(host) == ["stop", "start"]
+    # and a fault right after the return drains nothing within the cooldown either
+    drain_host(host, engine, fabric_ok=False)
+    host.run()
+    proc = host.run()
+    assert stops_starts(host) == ["stop", "start"]
+    assert "not draining yet: " in proc.stdout and "after the last return" in proc.stdout
+    age_last_change(host, 3601)
+    host.run()
+    assert stops_starts(host) == ["stop", "start", "stop"]
+
+
+SLOW_NVIDIA_SMI = "import time\ntime.sleep(5)\n"
+FAILING_JOURNALCTL = "import sys\nsys.stderr.write('Failed to get journal: Bad message\\n')\n" \
+                     "sys.exit(1)\n"
+
+
+def test_the_checkers_own_tool_trouble_is_an_error_never_a_drain(host, engine):
+    """nvidia-smi slower than the GPU timeout and journalctl failing are the checker's
+    trouble, not the GPUs': an error (its own alert: GpufleetHealthCheckError, exit 1),
+    restarts not held, nothing stopped however often it happens."""
+    drain_host(host, engine, after_runs=1)
+    write_tool(host.bin, "nvidia-smi", SLOW_NVIDIA_SMI)
+    host.journal("")
+    write_tool(host.bin, "journalctl", FAILING_JOURNALCTL)
+    for _ in range(3):
+        proc = host.run("--json", timeout=60)
+        report = json.loads(proc.stdout)
+        assert proc.returncode == 1 and report["host_fault"] == [] and report["drained"] == []
+    status = {c["check"]: c for c in report["checks"] if not c["unit"]}
+    assert status["gpu"]["status"] == "error", status["gpu"]
+    assert "timed out after 1s" in status["gpu"]["detail"]
+    assert "not a GPU fault (not drained)" in status["gpu"]["detail"]
+    assert status["gpu_xid"]["status"] == "error" and "Bad message" in status["gpu_xid"]["detail"]
+    assert stops_starts(host) == []
+    assert value(host.metrics(), "gpufleet_health_check_status", check="gpu", unit="",
+                 status="error") == 1
+
+
+def test_a_lost_state_file_after_a_drain_still_brings_the_engines_back(host, engine):
+    """The drained list is read back from systemd where the state file is gone: the enabled
+    engine units that are stopped are taken as drained and started once the host is healthy
+    (a disabled one is not the checker's to start)."""
+    drain_host(host, engine, fabric_ok=False, after_runs=1, return_after_runs=1, cooldown_s=0)
+    host.run()
+    assert stops_starts(host) == ["stop"]
+    host.state.unlink()
+    drain_host(host, engine, fabric_ok=True, after_runs=1, return_after_runs=1, cooldown_s=0)
+    proc = host.run("--json")
+    assert "the state file was lost: taking the enabled, stopped engines as drained: " \
+        + DECODE in proc.stderr
+    assert stops_starts(host) == ["stop", "start"]
+    units = json.loads(host.units_file.read_text())
+    assert units[DECODE]["state"] == "active"
+    # an engine the operator disabled and stopped stays stopped
+    units[DECODE].update(state="inactive", enabled=False)
+    host.set_units(units)
+    host.state.unlink()
+    host.run()
+    assert stops_starts(host) == ["stop", "start"]
+
+
+def test_a_run_that_holds_the_lock_too_long_makes_the_next_observe_only(host, engine):
+    """A stuck run holds the state lock: the next waits lock_wait_s, then observes only
+    (no restart, no drain, state unchanged) and says which lock and what to do."""
+    import fcntl
+
+    drain_host(host, engine, fabric_ok=False, after_runs=1)
+    cfg = json.loads(host.config.read_text().split("\n", 1)[1])
+    cfg["lock_wait_s"] = 0.5
+    host.config.write_text(json.dumps(cfg))
+    with open(str(host.state) + ".lock", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        started = time.monotonic()
+        proc = host.run("--json")
+        took = time.monotonic() - started
+    report = json.loads(proc.stdout)
+    state = {c["check"]: c for c in report["checks"]}["state"]
+    assert state["status"] == "error" and "held" in state["detail"] and "observes only" in \
+        state["detail"] and "gpufleet-health-watch" in state["detail"]
+    assert report["host_fault"] == ["gpu_fabric"] and stops_starts(host) == []
+    assert not host.state.exists() and took < 20
+    assert host.run().returncode == 1 and stops_starts(host) == ["stop"]  # released: acts
 
 
 def test_cache_filesystem_full(host, engine):

@@ -15,7 +15,8 @@ OPTIONS = (
     "gpu_timeout_s", "xid_fatal", "ecc_aggregate_max", "nvlink_error_delta_max",
     "gpu_temperature_max_c",
     "fabric_external", "ib_sysfs", "ib_min_rate_gbps", "ib_error_delta_max",
-    "watch_interval_s", "drain",
+    "watch_interval_s", "drain", "drain_after_runs", "drain_return_after_runs",
+    "drain_cooldown_s",
 )
 
 
@@ -135,7 +136,10 @@ def health_config(slice_: dict, **options) -> dict:
             "error_delta_max": {k: int(v) for k, v in opt["ib_error_delta_max"].items()},
         } if facts.get("rdma") else None,
         "watch": {"interval_s": float(opt["watch_interval_s"])},
-        "drain": _bool("drain", opt["drain"]),
+        "drain": {"enabled": _bool("drain", opt["drain"]),
+                  "after_runs": int(opt["drain_after_runs"]),
+                  "return_after_runs": int(opt["drain_return_after_runs"]),
+                  "cooldown_s": float(opt["drain_cooldown_s"])},
     }
 
 

@@ -36,9 +36,13 @@ INVENTORY_OVERRIDES = {
 }
 
 
-def split_csv(value: str | list | None) -> list[str]:
+def split_csv(value: str | list | None, what: str = "gpufleet_with") -> list[str]:
     if not value:
         return []
+    if not isinstance(value, (str, list)) or not all(isinstance(i, str) for i in (
+            value if isinstance(value, list) else [value])):
+        raise PlanError([Problem(what, f"{value!r} is not a list of option names",
+                                 "write e.g. gpufleet_with: [hicache] or --with hicache,cp")])
     items = value if isinstance(value, list) else value.split(",")
     return [i.strip() for i in items if i.strip()]
 
@@ -56,9 +60,22 @@ def parse_set(items: list[str], unset: list[str]) -> dict:
                 "write e.g. --set decode:--max-num-seqs=256, --set engines:UCX_TLS=tcp "
                 "or --unset decode:--enforce-eager")])
         kind = "args" if key.startswith("-") else "env"
-        parsed: object = None if is_unset else yaml.safe_load(value) if kind == "args" else value
-        if parsed == "" and kind == "args":
-            parsed = True
+        if not is_unset and value.strip() == "":
+            raise PlanError([Problem(
+                "set", f"{raw!r} gives {key} an empty value",
+                f"give a value, {role}:{key}=true for a flag without one, or --unset "
+                f"{role}:{key} to remove it")])
+        try:
+            parsed: object = (None if is_unset else yaml.safe_load(value) if kind == "args"
+                              else value)
+        except yaml.YAMLError as exc:
+            raise PlanError([Problem(
+                "set", f"{raw!r}: the value is not YAML ({str(exc).splitlines()[0]})",
+                "quote it: --set 'ROLE:--flag=\"text\"'")]) from None
+        if parsed is None and not is_unset:
+            raise PlanError([Problem(
+                "set", f"{raw!r} sets {key} to null, which would remove it",
+                f"remove it with --unset {role}:{key}")])
         out[kind].setdefault(role, {})[key] = parsed
     return out
 

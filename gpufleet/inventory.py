@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -18,6 +19,16 @@ from pathlib import Path
 
 class InventoryError(Exception):
     """The inventory cannot be read; the message names the file and the fix."""
+
+
+# ansible-inventory runs with these bounds: a YAML alias bomb in a group_vars file (1 KB)
+# once took 23 GB and 23 minutes
+TIMEOUT_S = 120
+MEMORY_BYTES = 4 << 30
+
+
+def _bounded() -> None:  # in the child, before exec: its address space
+    resource.setrlimit(resource.RLIMIT_AS, (MEMORY_BYTES, MEMORY_BYTES))
 
 
 @dataclass(frozen=True)
@@ -91,9 +102,17 @@ def load(path: str) -> Inventory:
         "ansible-inventory"))
     # stdout must be the JSON alone, whatever verbosity the operator asked Ansible for
     env = {**os.environ, "ANSIBLE_VERBOSITY": "0"}
-    proc = subprocess.run(
-        [exe, "-i", path, "--list"], capture_output=True, text=True, check=False, env=env
-    )
+    bound = ("Fix: look for YAML aliases that expand (a &anchor used many times inside "
+             "another), or an inventory script that hangs")
+    try:
+        proc = subprocess.run([exe, "-i", path, "--list"], capture_output=True, text=True,
+                              check=False, env=env, timeout=TIMEOUT_S, preexec_fn=_bounded)
+    except subprocess.TimeoutExpired:
+        raise InventoryError(f"ansible-inventory took over {TIMEOUT_S} s to read {path!r}. "
+                             + bound) from None
+    if proc.returncode != 0 and "MemoryError" in proc.stderr:
+        raise InventoryError(f"ansible-inventory needed over {MEMORY_BYTES >> 20} MiB to "
+                             f"read {path!r}. " + bound)
     if proc.returncode != 0:
         raise InventoryError(
             f"ansible-inventory could not read {path!r}: {proc.stderr.strip()[-500:]}. "

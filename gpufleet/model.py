@@ -16,9 +16,10 @@ import shlex
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from . import catalog as cat
+from . import inputs
 
 ENGINE_ROLES = ("worker", "prefill", "decode")
 START_ORDER = {"etcd": 0, "worker": 1, "prefill": 1, "decode": 1, "router": 2, "gateway": 3}
@@ -76,11 +77,108 @@ class Overrides(BaseModel):
     images: dict[str, str] = Field(default_factory=dict)
     registry_mirror: str | None = None
 
+    # every value that reaches a unit, an environment file, nginx or a path is checked here
+    # (gpufleet/inputs.py): a ValueError's text is "what is wrong. Fix: what to do"
+    @field_validator("args", mode="before")
+    @classmethod
+    def _args(cls, value):
+        for role, flags in (value or {}).items():
+            for flag, v in (flags or {}).items():
+                where = f"gpufleet_args.{role}"
+                _named(inputs.flag_name, flag, where, "name the flag as the engine does, "
+                       "e.g. --max-num-seqs")
+                _not_secret(flag, where)
+                if v is False:
+                    raise ValueError(
+                        f"{where}.{flag} is false, which is no flag value (it would pass "
+                        "the word False). Fix: leave the flag out with --unset "
+                        f"{role}:{flag} (gpufleet_args: null), or use the engine's "
+                        "--no-... form where it has one")
+                for item in v if isinstance(v, list) else [v]:
+                    if v is not None and v is not True:
+                        _named(inputs.text, item, f"{where}.{flag}", "give it on one line")
+        return value
+
+    @field_validator("env", mode="before")
+    @classmethod
+    def _env(cls, value):
+        for role, names in (value or {}).items():
+            for name, v in (names or {}).items():
+                where = f"gpufleet_env.{role}"
+                _named(inputs.env_name, name, where, "use a name such as UCX_TLS")
+                _not_secret(name, where)
+                if v is not None:
+                    _named(inputs.text, v, f"{where}.{name}", "give it on one line")
+        return value
+
+    @field_validator("ports", mode="before")
+    @classmethod
+    def _ports(cls, value):
+        for role, ports in (value or {}).items():
+            for name, v in (ports or {}).items():
+                _named(inputs.port, v, f"gpufleet_ports.{role}.{name}",
+                       "choose a free port from 1024 to 65535")
+        return value
+
+    @field_validator("gpus", mode="before")
+    @classmethod
+    def _gpus(cls, value):
+        for role, gpus in (value or {}).items():
+            where = f"gpufleet_gpus.{role}"
+            for g in gpus if isinstance(gpus, list) else []:
+                _named(inputs.gpu_index, g, where, "list the GPU indices nvidia-smi shows")
+            if isinstance(gpus, list) and len(set(map(str, gpus))) != len(gpus):
+                raise ValueError(f"{where} {gpus!r} lists a GPU twice. Fix: list each once")
+        return value
+
+    @field_validator("model_revision")
+    @classmethod
+    def _revision(cls, value):
+        return value if value is None else _named(
+            inputs.revision, value, "gpufleet_model_revision",
+            "give a branch or tag (main) or the commit id")
+
+    @field_validator("cache_dir")
+    @classmethod
+    def _cache_dir(cls, value):
+        return _named(inputs.path, value, "gpufleet_cache_dir",
+                      "give the shared cache's absolute path")
+
+    @field_validator("hf_endpoint", "registry_mirror")
+    @classmethod
+    def _url(cls, value, info):
+        return value if value is None else _named(
+            inputs.url, value, f"gpufleet_{info.field_name}", "give the mirror's URL")
+
+    @field_validator("api_key_file")
+    @classmethod
+    def _key_file(cls, value):
+        return value if value is None else _named(inputs.text, value, "gpufleet_api_key_file",
+                                                  "name the file on one line")
+
     @property
     def pooled(self) -> bool:
         """A target with gpufleet_workers, whatever the counts (so 1 -> N changes only the
         routers' worker lists): what its pool settings apply to."""
         return bool(self.workers)
+
+
+def _named(check, value, what: str, fix: str):
+    """check(value, what), its ValueError carrying the fix."""
+    try:
+        return check(value, what)
+    except ValueError as exc:
+        text = str(exc)
+        raise ValueError(text if " Fix: " in text else f"{text}. Fix: {fix}") from None
+
+
+def _not_secret(name: str, where: str) -> None:
+    if inputs.secret_like(name):
+        raise ValueError(
+            f"{where}.{name} names a credential: a flag lands in `ps`, the unit file, `fab "
+            "plan` and the engine's log, a variable in an environment file the deploy "
+            "prints. Fix: give the Hugging Face token as gpufleet_hf_token (ansible-vault) "
+            "and let the gateway hold the API key (gpufleet_api_key_file)")
 
 
 @dataclass

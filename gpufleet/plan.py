@@ -20,7 +20,7 @@ from urllib.parse import quote
 
 from pydantic import ValidationError
 
-from . import apikey, rules
+from . import apikey, inputs, rules
 from . import catalog as cat
 from . import inventory as inv_mod
 from .catalog import lockfile
@@ -206,6 +206,34 @@ def not_offered(catalog, target: cat.Target) -> Problem:
         "use " + " or ".join(fix) + " (`fab targets` lists all)")
 
 
+def _override_problem(error: dict) -> Problem:
+    """A pydantic error of Overrides as a Problem: the validators' "what. Fix: how"."""
+    message = error["msg"].removeprefix("Value error, ")
+    message, _, fix = message.partition(". Fix: ")
+    # a validator names the variable as the operator wrote it (gpufleet_ports.router.http)
+    named, _, rest = message.partition(" ") if message.startswith("gpufleet_") else ("", "", "")
+    return Problem(named or "overrides." + ".".join(str(p) for p in error["loc"]),
+                   rest or message,
+                   fix or "see inventories/sample/group_vars/all.yml for the accepted "
+                          "overrides")
+
+
+def _check_addresses(inventory) -> None:
+    """Each host's address lands in nginx's `listen`, the engines' flags and the routers'
+    URLs: an IP address or a DNS name, nothing else (a newline or `;` would add to them)."""
+    problems = []
+    for host in (inventory.hosts.values() if inventory else []):
+        try:
+            inputs.address(host.address, "its address")
+        except ValueError as exc:
+            problems.append(Problem(
+                f"hosts.{host.name}", str(exc),
+                "set its gpufleet_internal_address (or ansible_host) to the IP address or "
+                "DNS name the other hosts reach it at"))
+    if problems:
+        raise PlanError(problems)
+
+
 def compose(
     catalog,
     target: cat.Target,
@@ -216,11 +244,8 @@ def compose(
     try:
         ov = overrides if isinstance(overrides, Overrides) else Overrides(**(overrides or {}))
     except ValidationError as exc:
-        raise PlanError([
-            Problem("overrides." + ".".join(str(p) for p in e["loc"]), e["msg"],
-                    "see inventories/sample/group_vars/all.yml for the accepted overrides")
-            for e in exc.errors()
-        ]) from None
+        raise PlanError([_override_problem(e) for e in exc.errors()]) from None
+    _check_addresses(inventory)
     model = catalog.models[target.model]
     engine = catalog.engines[target.engine]
     hardware = catalog.hardware[target.hardware]

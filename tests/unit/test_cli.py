@@ -95,7 +95,8 @@ def test_a_closed_pipe_ends_the_listing_quietly():
     assert proc.stdout.startswith("target ") and proc.stderr == "", proc.stderr
 
 
-@pytest.mark.parametrize("override", ["--port=8000", "--host=0.0.0.0", "--api-key=k",
+# (--api-key, also one: refused earlier as a credential, test_bad_overrides.py)
+@pytest.mark.parametrize("override", ["--port=8000", "--host=0.0.0.0",
                                       "--uvicorn-log-level=info", "--tool-call-parser=glm47"])
 def test_dynamo_workers_refuse_the_vllm_server_flags(override):
     """Dynamo 1.6.1's `dynamo.vllm` parses vLLM's engine arguments, not its OpenAI

@@ -217,7 +217,7 @@ def test_unknown_option_and_option_for_another_engine():
 
 
 def test_wrong_override_types_name_the_field():
-    with pytest.raises(PlanError, match=r"overrides\.ports\.router\.http"):
+    with pytest.raises(PlanError, match=r"gpufleet_ports\.router\.http"):
         make_plan("h200-pd-1node", None, {"ports": {"router": {"http": "eighty"}}})
     with pytest.raises(PlanError, match=r"overrides\.colour"):
         make_plan("h200-pd-1node", None, {"colour": "blue"})

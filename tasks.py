@@ -28,7 +28,10 @@ LAB = ROOT / "lab"
 DEFAULT_INVENTORY = "inventories/lab"
 ROLES = ["etcd", *ENGINE_ROLES, "router", "gateway"]
 # `fab targets | head -1`: a closed pipe ends the output quietly, as for any command-line tool
-signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+# (only in the fab program: a process that imports this module, a test run, keeps Python's
+# own handling, where a closed pipe is an error the code sees)
+if Path(sys.argv[0]).name in ("fab", "invoke", "inv"):
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
 
 
 def _format(value: str, *choices: str) -> str:

@@ -39,3 +39,12 @@ def test_each_hosts_json_or_a_failure_naming_what_it_said():
 def test_the_ok_key_is_the_callers():
     got = tasks._host_json(report({"h1": {"stdout": "not json"}}), TASK, "passed")
     assert got["h1"]["passed"] is False and "healthy" not in got["h1"]
+
+
+def test_importing_the_tasks_leaves_python_its_own_closed_pipe_handling():
+    """Only the fab program dies quietly on a closed pipe (`fab targets | head -1`): a
+    process that imports the tasks (this test run) must see a closed pipe as an error, or
+    the first test that writes to one kills the whole run (exit 141)."""
+    import signal
+
+    assert signal.getsignal(signal.SIGPIPE) == signal.SIG_IGN

@@ -7,12 +7,16 @@ unhealthy, 2 bad input (caught before any host was touched).
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import getpass
 import json
 import os
 import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from invoke import Collection, Exit, task
@@ -100,6 +104,34 @@ def _deployed(target, inventory):
           "another)", file=sys.stderr)
     return _plan(record["target"], inventory, ",".join(record.get("options") or []),
                  runtime=record.get("runtime"))
+
+
+@contextlib.contextmanager
+def _one_at_a_time(p, what: str):
+    """Hold the deployment's controller lock (plan.deploy_lock_path) while WHAT changes its
+    hosts: a second deploy, restart or teardown of it says who holds it and changes
+    nothing. The lock dies with the process that holds it."""
+    path = Path(p.lock_file)
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    with open(path, "a+") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            fh.seek(0)
+            try:
+                holder = json.loads(fh.read() or "{}")
+            except ValueError:
+                holder = {}
+            raise Exit(
+                f"gpufleet: refusing, nothing was changed: another run changes this "
+                f"deployment: {holder.get('what', '?')} by {holder.get('user', '?')}, pid "
+                f"{holder.get('pid', '?')}, since {holder.get('since', '?')} ({path}). Fix: "
+                "wait for it to end, or stop it", code=2) from None
+        fh.truncate(0)
+        json.dump({"what": what, "pid": os.getpid(), "user": getpass.getuser(),
+                   "since": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}, fh)
+        fh.flush()
+        yield
 
 
 def _ansible(playbook, plan_obj, inventory, extra=None, capture=False, check=False):
@@ -200,9 +232,10 @@ def deploy(c, target=None, inventory=DEFAULT_INVENTORY, with_="", set_=None, uns
            runtime=None, check=False):
     """Deploy: preflight, prepare, cache, serve, smoke test, health timer; then a summary."""
     p = _plan(target, inventory, with_, set_, unset, runtime)
-    print(f"gpufleet: deploying {p.target.name} to {inventory} "
-          f"({len(p.processes)} processes on {len(p.hosts)} host(s))")
-    _ansible("site.yml", p, inventory, check=check)
+    with contextlib.nullcontext() if check else _one_at_a_time(p, f"fab deploy {p.target.name}"):
+        print(f"gpufleet: deploying {p.target.name} to {inventory} "
+              f"({len(p.processes)} processes on {len(p.hosts)} host(s))")
+        _ansible("site.yml", p, inventory, check=check)
     if check:
         print("gpufleet: check mode: nothing was changed")
         return
@@ -370,8 +403,9 @@ def restart(c, role=None, target=None, inventory=DEFAULT_INVENTORY):
     if role and role not in ROLES:
         raise Exit(f"gpufleet: unknown role {role!r}; choose from {', '.join(ROLES)}", code=2)
     p = _deployed(target, inventory)
-    _ansible("playbooks/restart.yml", p, inventory,
-             {"restart_roles": [role]} if role else None)
+    with _one_at_a_time(p, "fab restart"):
+        _ansible("playbooks/restart.yml", p, inventory,
+                 {"restart_roles": [role]} if role else None)
 
 
 @task(help={"target": PLAN_HELP["target"], "inventory": PLAN_HELP["inventory"],
@@ -382,8 +416,9 @@ def teardown(c, target=None, inventory=DEFAULT_INVENTORY, purge_cache=False,
     """Stop and remove everything gpufleet installed on the hosts; keeps the cache and the
     engine image unless --purge-cache / --purge-images."""
     p = _deployed(target, inventory)
-    _ansible("playbooks/teardown.yml", p, inventory, {"teardown_cache": bool(purge_cache),
-                                                      "teardown_images": bool(purge_images)})
+    with _one_at_a_time(p, "fab teardown"):
+        _ansible("playbooks/teardown.yml", p, inventory,
+                 {"teardown_cache": bool(purge_cache), "teardown_images": bool(purge_images)})
 
 
 @task(help={"target": PLAN_HELP["target"], "inventory": PLAN_HELP["inventory"],

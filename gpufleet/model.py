@@ -308,6 +308,7 @@ class Plan:
     api: dict = field(default_factory=dict)
     endpoints: list[str] = field(default_factory=list)  # one per replica
     hosts_record: str = ""  # on the controller: the hosts the last deploy served
+    lock_file: str = ""  # on the controller: held while a deploy changes the hosts
     pooled: bool = False  # gpufleet_workers: the topology's pooled form (Overrides.pooled)
     # who may reach each port: clients, nobody off the host (loopback), the deployment's
     # hosts (peers); plan._exposure

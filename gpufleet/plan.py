@@ -101,6 +101,12 @@ def api_key_path(inventory) -> str:
     return controller_path("api-keys", inventory, ".key")
 
 
+def deploy_lock_path(inventory) -> str:
+    """The controller's lock of a deployment: one deploy, restart or teardown at a time
+    (tasks.py holds it; the hosts' own lock, gpufleet_host_lock, stops another controller)."""
+    return controller_path("locks", inventory, ".lock")
+
+
 def hosts_record_path(inventory) -> str:
     """Where the controller records the hosts a deployment's last deploy served, so the
     next one retires those the plan no longer has (playbooks/serve.yml)."""
@@ -299,6 +305,7 @@ def compose(
         warnings=[], options=list(ov.options), inventory=inventory.source,
         api=_api(ov, inventory, processes), endpoints=[_endpoint(f) for f in fronts],
         hosts_record=hosts_record_path(inventory), pooled=ov.pooled,
+        lock_file=deploy_lock_path(inventory),
     )
     plan.exposure = _exposure(processes)
     plan.hosts = _host_requirements(plan, inventory)

@@ -57,6 +57,8 @@ DEFAULT_CONFIG = "/etc/gpufleet/health.json"
 # where Debian's and Ubuntu's prometheus-node-exporter read textfiles
 DEFAULT_TEXTFILE = "/var/lib/prometheus/node-exporter/gpufleet.prom"
 DEFAULT_STATE = "/var/lib/gpufleet/health-state.json"
+# written by a deploy while it changes this host's units (gpufleet_host_lock)
+DEFAULT_DEPLOY_LOCK = "/run/gpufleet/deploy.lock"
 # NVLink error counters (nvidia-smi nvlink -e): a recovery is a link retrain, always worth a
 # look; replays and CRC errors happen at low rates on healthy links
 DEFAULT_NVLINK_DELTA = {"recovery": 0, "replay": 100, "crc": 100, "default": 100}
@@ -221,6 +223,9 @@ def validate(raw):
         "cooldown_s": _field(drain, "cooldown_s", "drain", NUM, 600, lambda v: v >= 0,
                              "a number >= 0"),
     }
+    # while a deploy holds this lock (unexpired), no run restarts or drains anything
+    cfg["deploy_lock"] = _field(raw, "deploy_lock", "", (str,), DEFAULT_DEPLOY_LOCK,
+                                os.path.isabs, "an absolute path")
     # how long a run waits for the state lock a running (or stuck) one holds; default: a
     # run's own time budget
     cfg["lock_wait_s"] = _field(raw, "lock_wait_s", "", NUM, None, lambda v: v >= 0,
@@ -1477,6 +1482,19 @@ def metrics(cfg, results, statuses, state, gpu, xids, free, ib, ran_at, took, he
 # ------------------------------------------------------------------------------ main
 
 
+def deploy_holder(path, now=None):
+    """Who deploys to this host now (the deploy lock's holder, unexpired), else None."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            lock = json.load(handle)
+    except (OSError, ValueError):
+        return None
+    expires = lock.get("expires") if isinstance(lock, dict) else None
+    if not isinstance(expires, (int, float)) or expires <= (now or time.time()):
+        return None
+    return str(lock.get("holder") or "a deploy")
+
+
 def take_lock(path, wait_s):
     """(the state lock's file, held; None) or (None, why not) after waiting up to wait_s
     for a run that holds it: a stuck run makes the next ones observe only, never wait
@@ -1798,10 +1816,14 @@ def main(argv=None):
     errored = {r["unit"] for r in results if r["status"] == ERROR and r["unit"]} - failed
     # observing only: the streaks a run would count, on a copy (the metrics show the saved)
     held = host_faults(results)
+    deploying = deploy_holder(cfg["deploy_lock"])
+    if deploying:  # its rolling restarts and ours must not cross
+        log(f"INFO deploy   - {deploying} is deploying to this host ({cfg['deploy_lock']}): "
+            "no restart, no drain until it ends")
     decisions = {} if args.host_only else decide_restarts(
         cfg, statuses, failed, state if lock else json.loads(json.dumps(state)), log,
-        act=lock is not None, errored=errored, held=held)
-    if lock is not None:
+        act=lock is not None and not deploying, errored=errored, held=held)
+    if lock is not None and not deploying:
         drain(cfg, state, statuses, held, log, lost=lost)
     if held:  # fab status reads it: the host is sick since the first run that saw it
         since = (state.get("host_fault") or {}).get("since") or time.time()
@@ -1848,7 +1870,8 @@ def main(argv=None):
                 "restart": decisions.get(name)}
         print(json.dumps({"host": cfg["host"], "healthy": healthy, "exit_code": code,
                           "timestamp": time.time(), "checks": results, "units": units,
-                          "host_fault": held, "drained": state.get("drained") or []},
+                          "host_fault": held, "drained": state.get("drained") or [],
+                          "deploying": deploying},
                          indent=1, sort_keys=True))
     return code
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import stat
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -76,6 +77,29 @@ def test_the_gateway_compares_the_key_exactly(deployed):
     for wrong in (key[:-1], key + "x", key.swapcase(), ".*", key[:8] + ".*", "", "|"):
         assert keyed(wrong) == 401, wrong
         assert keyed(wrong, "x-api-key") == 401, wrong
+
+
+def test_a_deploy_from_another_controller_stops_at_the_host_lock(deployed):
+    """The deploy released its hosts' lock; another controller's unexpired lock stops a
+    deploy before it touches a unit, naming the holder, and the health checker neither
+    restarts nor drains meanwhile."""
+    assert ssh("lab1", "test -e /run/gpufleet/deploy.lock || echo released").strip() == \
+        "released"
+    now = int(time.time())
+    lock = json.dumps({"holder": "bob@ctl2", "started": now, "expires": now + 600})
+    ssh("lab1", f"mkdir -p /run/gpufleet && echo '{lock}' > /run/gpufleet/deploy.lock",
+        check=True)
+    try:
+        refused = fab("deploy", "--target", TARGET)
+        said = " ".join((refused.stdout + refused.stderr).split())
+        assert refused.returncode != 0, said[-3000:]
+        assert "another deploy holds this host: bob@ctl2 since" in said, said[-3000:]
+        assert "TASK [serve : " not in refused.stdout  # stopped before the role
+        checker = json.loads(ssh("lab1", "/usr/bin/python3 -I -B "
+                                 "/usr/local/lib/gpufleet/healthcheck.py --json"))
+        assert checker["deploying"] == "bob@ctl2", checker
+    finally:
+        ssh("lab1", "rm -f /run/gpufleet/deploy.lock")
 
 
 def test_a_controller_without_the_key_keeps_the_one_the_gateway_has(deployed):

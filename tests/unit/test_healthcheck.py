@@ -1514,6 +1514,41 @@ def test_a_lost_state_file_after_a_drain_still_brings_the_engines_back(host, eng
     assert stops_starts(host) == ["stop", "start"]
 
 
+def test_the_checker_keeps_its_hands_off_while_a_deploy_holds_the_host(host, engine):
+    """A deploy's host lock (gpufleet_host_lock, unexpired): no restart and no drain, said
+    in the log and the JSON; the failures still count, so a unit still failing once the
+    deploy ends is restarted then. An expired lock (a deploy that died) is ignored."""
+    lock = host.root / "deploy.lock"
+
+    def configure(fabric_ok):
+        drain_host(host, engine, fabric_ok=fabric_ok, after_runs=1)
+        cfg = json.loads(host.config.read_text().split("\n", 1)[1])
+        cfg.update(deploy_lock=str(lock), restart={"after_failures": 1, "cooldown_s": 0})
+        host.config.write_text(json.dumps(cfg))
+
+    def deploying(seconds_left):
+        lock.write_text(json.dumps({"holder": "alice@ctl1", "started": time.time(),
+                                    "expires": time.time() + seconds_left}))
+
+    configure(fabric_ok=True)
+    engine.mode = "error"
+    deploying(600)
+    proc = host.run("--json")
+    assert json.loads(proc.stdout)["deploying"] == "alice@ctl1", proc.stderr
+    assert "alice@ctl1 is deploying to this host" in proc.stderr
+    assert host.restarts() == []
+    deploying(-1)  # ended long ago without releasing it: ignored
+    assert json.loads(host.run("--json").stdout)["deploying"] is None
+    assert {c[-1] for c in host.restarts()} == {UNIT, DECODE}  # both fail health
+    engine.mode = "ok"
+    configure(fabric_ok=False)  # a host fault: no drain while deploying either
+    deploying(600)
+    assert json.loads(host.run("--json").stdout)["drained"] == []
+    assert stops_starts(host) == []
+    lock.unlink()
+    assert json.loads(host.run("--json").stdout)["drained"] == [DECODE]
+
+
 def test_a_run_that_holds_the_lock_too_long_makes_the_next_observe_only(host, engine):
     """A stuck run holds the state lock: the next waits lock_wait_s, then observes only
     (no restart, no drain, state unchanged) and says which lock and what to do."""

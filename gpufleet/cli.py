@@ -33,6 +33,7 @@ INVENTORY_OVERRIDES = {
     "gpufleet_runtime": "runtime",
     "gpufleet_images": "images",
     "gpufleet_registry_mirror": "registry_mirror",
+    "gpufleet_acknowledge": "acknowledge",
 }
 
 

@@ -76,6 +76,8 @@ class Overrides(BaseModel):
     runtime: Literal["venv", "image"] | None = None
     images: dict[str, str] = Field(default_factory=dict)
     registry_mirror: str | None = None
+    # the recipe's pins (a target's `pins`) an operator departs from on purpose
+    acknowledge: list[str] = Field(default_factory=list)
 
     # every value that reaches a unit, an environment file, nginx or a path is checked here
     # (gpufleet/inputs.py): a ValueError's text is "what is wrong. Fix: what to do"

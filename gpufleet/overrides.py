@@ -62,6 +62,27 @@ def managed(catalog, target, topology, ov: Overrides) -> list[Problem]:
     return problems
 
 
+def pinned(target, ov: Overrides) -> list[Problem]:
+    """Overrides of what the recipe requires (the target's `pins`), unless the inventory
+    acknowledges the recipe's reason (gpufleet_acknowledge); an acknowledgement of what the
+    target does not pin is a typo, refused too."""
+    unknown = [Problem(
+        "acknowledge", f"{key} is none of {target.name}'s pins ("
+        + (", ".join(sorted(target.pins)) or "it has none") + ")",
+        "name a pin the refusal named, or drop it from gpufleet_acknowledge")
+        for key in ov.acknowledge if key not in target.pins]
+    return unknown + [Problem(
+        f"{what}.{role}.{key}",
+        f"{key} is what {target.name}'s recipe requires ({target.pins[key]}); "
+        + ("dropping it" if value is None else f"setting it to {value!r}")
+        + " departs from the recipe",
+        f"keep the recipe's value, or, having read the reason, acknowledge it in the "
+        f"inventory: gpufleet_acknowledge: [{key}]")
+        for what in ("args", "env") for role, values in getattr(ov, what).items()
+        for key, value in values.items()
+        if key in target.pins and key not in ov.acknowledge]
+
+
 def _fill(text: str, values: dict[str, str]) -> str:
     for token, value in values.items():
         text = text.replace(token, value)

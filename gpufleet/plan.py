@@ -41,7 +41,7 @@ from .model import (  # noqa: F401 (the planner's public names, as before the mo
     Process,
     image_repository,
 )
-from .overrides import managed
+from .overrides import managed, pinned
 
 GATEWAY_CONF_DIR = "/etc/gpufleet/gateway"
 GATEWAY_RETRIES = 4  # a pool's failed request is sent again 4 times: five tries
@@ -261,7 +261,7 @@ def compose(
         topology = catalog.topologies[topology.pooled]
 
     problems: list[Problem] = _check_override_roles(target, topology, ov)
-    problems += managed(catalog, target, topology, ov)
+    problems += managed(catalog, target, topology, ov) + pinned(target, ov)
     roles, draft = _layer_options(catalog, target, topology, ov, problems)
     inventory = inventory or inv_mod.placeholder(topology.groups)
     problems += _check_workers(target, topology, ov)

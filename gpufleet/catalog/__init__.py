@@ -238,6 +238,9 @@ class Target(_Strict):
     instead: list[str] = Field(default_factory=list)
     # role -> settings, already layered (bundles, strategy, vendor, own roles)
     roles: dict[str, RoleSettings]
+    # flag or variable -> the recipe's reason it is required (an override needs
+    # gpufleet_acknowledge), from the target's bundles and its own
+    pins: dict[str, str] = Field(default_factory=dict)
 
 
 class Option(_Strict):
@@ -348,8 +351,10 @@ class Catalog:
         for layer in spec.get("layers", []):
             roles = merge_keep_nulls(roles, layer)
         roles = merge_keep_nulls(roles, spec.get("roles", {}))
-        fields = {k: v for k, v in spec.items() if k not in ("use", "layers", "roles")}
-        target = Target(name=name, roles=roles, **fields)
+        pins = {k: v for b in spec.get("use", []) for k, v in
+                self.bundles[b].get("pins", {}).items()}
+        fields = {k: v for k, v in spec.items() if k not in ("use", "layers", "roles", "pins")}
+        target = Target(name=name, roles=roles, pins={**pins, **spec.get("pins", {})}, **fields)
         for ref, table in (
             (target.model, self.models),
             (target.engine, self.engines),

@@ -162,3 +162,27 @@ def test_an_inventory_that_would_fill_memory_is_stopped_by_its_bound(alias_bomb,
     monkeypatch.setattr(inv_mod, "MEMORY_BYTES", 768 << 20)
     with pytest.raises(inv_mod.InventoryError, match=r"needed over 768 MiB"):
         inv_mod.load(str(alias_bomb))
+
+
+def test_a_pin_the_recipe_requires_changes_only_with_its_reason_acknowledged():
+    """002: GB200's image UCX lacks MNNVL IPC (UCX_TLS); 000/002: the layout pins must be
+    identical on prefill and decode. An override of one is refused naming the recipe's
+    reason; acknowledged in the inventory, it plans (and the other rules still apply)."""
+    tls = {"env": {"engines": {"UCX_TLS": "cuda_copy,cuda_ipc,tcp"}}}
+    text = refused_on("gb200-disagg", tls, "UCX_TLS is what gb200-disagg's recipe requires")
+    assert "lacks MNNVL IPC" in text and "gpufleet_acknowledge: [UCX_TLS]" in text
+    plan = make_plan("gb200-disagg", None, {**tls, "acknowledge": ["UCX_TLS"]})
+    assert {p.env["UCX_TLS"] for p in plan.engines} == {"cuda_copy,cuda_ipc,tcp"}
+    refused_on("gb200-disagg", {"env": {"engines": {"UCX_TLS": None}}}, "dropping it")
+    layout = {"env": {"engines": {"VLLM_KV_CACHE_LAYOUT": "NHD"}}}
+    refused_on(TARGET, layout, "must be pinned identically on prefill and decode")
+    plan = make_plan(TARGET, None, {**layout, "acknowledge": ["VLLM_KV_CACHE_LAYOUT"]})
+    assert {p.env["VLLM_KV_CACHE_LAYOUT"] for p in plan.engines} == {"NHD"}
+    refused_on(TARGET, {"acknowledge": ["UCX_TSL"]}, "UCX_TSL is none of h200-pd-1node's pins")
+
+
+def refused_on(target: str, overrides: dict, said: str) -> str:
+    with pytest.raises(PlanError) as err:
+        make_plan(target, None, overrides)
+    assert said in str(err.value) and "Fix: " in str(err.value), str(err.value)
+    return str(err.value)

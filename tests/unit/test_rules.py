@@ -24,7 +24,9 @@ CASES = {
                                                       "num_speculative_tokens": 3}}}},
         "speculative"),
     "layouts_match": (
-        "h200-pd-1node", {"env": {"decode": {"VLLM_KV_CACHE_LAYOUT": "NHD"}}},
+        # acknowledged (a pin of the recipe): the rule still holds the pair together
+        "h200-pd-1node", {"env": {"decode": {"VLLM_KV_CACHE_LAYOUT": "NHD"}},
+                          "acknowledge": ["VLLM_KV_CACHE_LAYOUT"]},
         "VLLM_KV_CACHE_LAYOUT"),
     "fp8_kv_on_hopper": (
         "h200-pd-1node", {"args": {"engines": {"--kv-cache-dtype": "fp8"}}}, "Hopper"),

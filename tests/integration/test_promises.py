@@ -31,9 +31,10 @@ STRAY = ("python3 -c 'import http.server as h; s = h.BaseHTTPRequestHandler; "
          "h.HTTPServer((\"10.213.77.11\", 30000), s).serve_forever()'")
 
 
-def status(url: str) -> int:
+def status(url: str, headers: dict | None = None) -> int:
     try:
-        with urllib.request.urlopen(url, timeout=10) as resp:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}),
+                                    timeout=10) as resp:
             return resp.status
     except urllib.error.HTTPError as exc:
         return exc.code
@@ -61,12 +62,7 @@ def test_the_gateway_holds_the_port_and_the_engine_listens_on_loopback(deployed)
 
 def keyed(key: str, header: str = "Authorization") -> int:
     value = f"Bearer {key}" if header == "Authorization" else key
-    req = urllib.request.Request(ENDPOINT + "/models", headers={header: value})
-    try:
-        with urllib.request.urlopen(req, timeout=10) as resp:
-            return resp.status
-    except urllib.error.HTTPError as exc:
-        return exc.code
+    return status(ENDPOINT + "/models", {header: value})
 
 
 def test_the_gateway_compares_the_key_exactly(deployed):

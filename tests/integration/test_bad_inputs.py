@@ -67,7 +67,8 @@ CASES = {
         ["needs exactly 2 host(s) in group 'workers'", "Fix: put 2 host(s) in [workers]"]),
     "missing-inventory": Case([*VLLM_PD, "-i", "/nonexistent/inventory"],
                               ["'/nonexistent/inventory' does not exist", "Fix: pass -i"]),
-    "port-as-text": Case(VLLM_PD, ["overrides.ports.router.http", "Fix: see"],
+    "port-as-text": Case(VLLM_PD, ["gpufleet_ports.router.http: 'eighty' is not a port "
+                                   "number from 1024 to 65535", "Fix: choose a free port"],
                          all_vars={"gpufleet_ports": {"router": {"http": "eighty"}}}),
     "api-key-not-a-bool": Case(VLLM_PD, ["overrides.api_key", "Fix: see"],
                                all_vars={"gpufleet_api_key": "perhaps"}),

@@ -100,7 +100,9 @@ def test_a_deploy_from_another_controller_stops_at_the_host_lock(deployed):
     ssh("lab1", f"mkdir -p /run/gpufleet && echo '{lock}' > /run/gpufleet/deploy.lock",
         check=True)
     try:
-        refused = fab("deploy", "--target", TARGET)
+        # the serve playbook, where the lock is held, as AWX runs it (ansible-playbook)
+        refused = playbook("-i", "inventories/lab", "playbooks/serve.yml", "-e",
+                           f"gpufleet_target={TARGET}")
         said = " ".join((refused.stdout + refused.stderr).split())
         assert refused.returncode != 0, said[-3000:]
         assert "another deploy holds this host: bob@ctl2 since" in said, said[-3000:]
@@ -118,7 +120,9 @@ def test_a_controller_without_the_key_keeps_the_one_the_gateway_has(deployed):
     endpoint = json.loads(fab("endpoint", "--format", "json").stdout)
     key, path = endpoint["api_key"], Path(endpoint["api_key_file"])
     path.unlink()
-    again = fab("deploy", "--target", TARGET)
+    # the serve playbook (where the key is written), as a job runner runs it
+    again = playbook("-i", "inventories/lab", "playbooks/serve.yml", "-e",
+                     f"gpufleet_target={TARGET}")
     assert again.returncode == 0, again.stdout[-4000:]
     assert path.read_text().strip() == key and stat.S_IMODE(path.stat().st_mode) == 0o600
     assert keyed(key) == 200

@@ -12,6 +12,7 @@ fails when a role reads a key these do not produce.
 
 from __future__ import annotations
 
+import copy
 import shlex
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
@@ -361,6 +362,33 @@ def image_repository(ref: str) -> str:
     name = ref.split("@", 1)[0]
     head, sep, tag = name.rpartition(":")
     return head if sep and "/" not in tag else name
+
+
+def pin_revisions(host: dict, commits: dict[str, str]) -> dict:
+    """A host's slice of the plan (`gpufleet_host`) with each checkpoint's revision (a
+    branch or tag) replaced by the commit the cache holds for it (`commits`: repo ->
+    40-hex commit), in every engine's command line (after the checkpoint's revision flag)
+    and in its checkpoint's models (`commit`): a node restarted later loads the weights
+    its peers serve, whatever the branch names by then."""
+    bad = {repo: c for repo, c in commits.items() if not inputs.COMMIT.fullmatch(str(c))}
+    if bad:
+        raise ValueError(f"not 40-hex commits: {bad}")
+    host = copy.deepcopy(host)
+    pins = {}
+    for m in host["checkpoint"]["models"]:
+        commit = m["revision"] if inputs.COMMIT.fullmatch(m["revision"]) else commits.get(m["repo"])
+        if commit:
+            m["commit"] = commit
+            if m.get("flag"):
+                pins[m["flag"]] = commit
+    for p in host["processes"]:
+        if not p.get("is_engine"):
+            continue
+        argv = p["argv"]
+        for i in range(len(argv) - 1):
+            if argv[i] in pins:
+                argv[i + 1] = pins[argv[i]]
+    return host
 
 
 def host_slices(plan_json: dict) -> dict[str, dict]:

@@ -281,7 +281,7 @@ def compose(
     if problems:
         raise PlanError(problems)
     revision = ov.model_revision or model.revision
-    cache = _cache(ov, model, draft, revision, catalog)
+    cache = _cache(ov, model, draft, revision, engine)
     processes, fronts = [], []
     for replica in _place(target, topology, hardware, inventory, ov, pool,
                           engine.pool_router_ports if ov.pooled else {}):
@@ -563,11 +563,15 @@ def _bind(p: Process, processes: list[Process], pooled: bool = False) -> str:
     return p.address
 
 
-def _cache(ov: Overrides, model, draft, revision: str, catalog) -> dict:
-    models = [{"repo": model.repo, "revision": revision, "weight_gib": model.weight_gib}]
+def _cache(ov: Overrides, model, draft, revision: str, engine: cat.Engine) -> dict:
+    """The checkpoints (each with the engine flag that names its revision: the serve play
+    pins the commit the cache holds there), where they go, and the room they need."""
+    flags = engine.revision_flags
+    models = [{"repo": model.repo, "revision": revision, "weight_gib": model.weight_gib,
+               "flag": flags.get("model")}]
     if draft:
         models.append({"repo": draft.repo, "revision": draft.revision,
-                       "weight_gib": draft.weight_gib})
+                       "weight_gib": draft.weight_gib, "flag": flags.get("draft")})
     total = sum(m["weight_gib"] for m in models)
     return {
         "path": ov.cache_dir,
@@ -635,6 +639,8 @@ def _render(processes, roles, target, model, draft, engine, catalog, cache, ov,
         ctx["first"] = SimpleNamespace(address=first.address,
                                        ports=SimpleNamespace(**first.ports))
         p.args = {flag: _fmt(value, ctx) for flag, value in args.items()}
+        if p.is_engine:  # each checkpoint's revision (pinned to its commit when served)
+            p.args.update({m["flag"]: m["revision"] for m in cache["models"] if m["flag"]})
         if p.role == "router":  # a flag naming a pool: once per worker of it
             for flag, value in args.items():
                 for role, workers in pools.items():

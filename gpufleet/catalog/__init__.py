@@ -177,6 +177,8 @@ class Engine(_Strict):
     lock_archs: list[str] | None = None  # narrows locks.archs
     lock_pythons: list[str] | None = None  # narrows locks.pythons
     programs: dict[str, list[str]]
+    # the engine program's flags for the checkpoint's revision: model (and draft) -> flag
+    revision_flags: dict[Literal["model", "draft"], str] = Field(default_factory=dict)
     flashinfer_floor: str | None = None
     system_packages: list[str] = Field(default_factory=list)  # from the OS (apt)
     disable_services: list[str] = Field(default_factory=list)  # what those packages start

@@ -110,8 +110,20 @@ def test_a_killed_engine_is_restarted_and_health_returns_to_green(lab):
 
 
 def test_rolling_restart_of_one_role(lab):
+    """...after the checkpoint's branch moved (a later cache run): the engines name the
+    commit the deploy pinned, so the restarted decode loads the weights prefill serves."""
+    plan = json.loads(fab("plan", "--target", "h200-pd-1node", "--format", "json").stdout)
+    ref = f"{plan['cache']['hub']}/models--zai-org--GLM-5.3-Flash/refs/main"
+    commit = ssh("lab1", f"cat {ref}", check=True).strip()
+    for unit in ("prefill", "decode"):
+        start = ssh("lab1", f"systemctl show -p ExecStart --value gpufleet-{unit}", check=True)
+        assert f" --revision {commit} " in start, start
     before = units("h200-pd-1node")
-    proc = fab("restart", "--role", "decode", "--target", "h200-pd-1node")
+    ssh("lab1", f"cp -p {ref} {ref}.kept && echo {'f' * 40} > {ref}", check=True)
+    try:
+        proc = fab("restart", "--role", "decode", "--target", "h200-pd-1node")
+    finally:
+        ssh("lab1", f"mv {ref}.kept {ref}", check=True)
     assert proc.returncode == 0, proc.stdout[-3000:]
     after = units("h200-pd-1node")
     moved = {u for u in after if after[u]["main_pid"] != before[u]["main_pid"]}

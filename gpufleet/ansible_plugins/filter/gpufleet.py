@@ -1,14 +1,16 @@
 """Filters gpufleet's plays use: argv and environment in systemd's own syntax, the host
-own files' paths, and each host's slice of the plan."""
+own files' paths, each host's slice of the plan and the commits that pin its checkpoint."""
 
 from __future__ import annotations
 
+import base64
 import re
 from pathlib import Path
 from urllib.parse import quote
 
+from gpufleet import inputs
 from gpufleet.acceptance import host_spec
-from gpufleet.model import host_slices
+from gpufleet.model import host_slices, pin_revisions
 
 # gpufleet's own files (host programs, locks): paths relative to the repository root
 ROOT = Path(__file__).resolve().parents[3]
@@ -88,6 +90,50 @@ def unsteady(now: list, before: list) -> list:
             or u["restarts"] != earlier.get(u["unit"], u["restarts"])]
 
 
+def ref_path(hub: str, model: dict) -> str:
+    """Where the Hugging Face cache names the commit of a checkpoint's branch or tag."""
+    return f"{hub.rstrip('/')}/models--{model['repo'].replace('/', '--')}/refs/{model['revision']}"
+
+
+def checkpoint_commits(hostvars, hosts: list, check_mode: bool = False) -> dict:
+    """The commit each checkpoint's revision names on the hosts' cache, from each host's
+    slurp of its refs (`__serve_refs`, playbooks/serve.yml): {commits: repo -> commit,
+    problems: what stops the pin (a missing ref; hosts that disagree, naming each), notes:
+    a ref a check-mode run has not fetched yet (the plan keeps the revision)}."""
+    seen: dict[str, dict[str, str]] = {}
+    problems, notes = [], []
+    for host in hosts:
+        for r in (hostvars[host].get("__serve_refs") or {}).get("results") or []:
+            item = r.get("item") or {}
+            if not item:
+                continue  # skipped: no engine on the host
+            repo, rev = item["repo"], item["revision"]
+            if r.get("failed") or "content" not in r:
+                hub = hostvars[host]["gpufleet_host"]["checkpoint"]["hub"]
+                what = f"{host}: {repo}@{rev} has no ref on the cache ({ref_path(hub, item)})"
+                if check_mode:
+                    notes.append(what + "; the plan keeps the revision until the cache has it")
+                else:
+                    problems.append(what + ". Fix: run the cache play first (fab deploy, or "
+                                    "playbooks/cache.yml before playbooks/serve.yml)")
+                continue
+            commit = base64.b64decode(r["content"]).decode(errors="replace").strip()
+            if not inputs.COMMIT.fullmatch(commit):
+                problems.append(f"{host}: {repo}@{rev}'s ref holds {commit[:60]!r}, not a "
+                                "commit. Fix: run the cache play again (it rewrites the ref)")
+                continue
+            seen.setdefault(repo, {})[host] = commit
+    commits = {}
+    for repo, by_host in seen.items():
+        if len(set(by_host.values())) > 1:
+            problems.append(f"the hosts' caches name different commits for {repo}: " + ", ".join(
+                f"{h} {c}" for h, c in sorted(by_host.items())) + ". Fix: give every engine host "
+                "the one shared cache (gpufleet_cache_dir), then run the cache play")
+        else:
+            commits[repo] = next(iter(by_host.values()))
+    return {"commits": commits, "problems": problems, "notes": notes}
+
+
 class FilterModule:
     def filters(self):
         return {
@@ -95,6 +141,9 @@ class FilterModule:
             "gpufleet_env_line": env_file_line,
             "gpufleet_file": own_file,
             "gpufleet_host_slices": host_slices,
+            "gpufleet_pin_revisions": pin_revisions,
+            "gpufleet_checkpoint_commits": checkpoint_commits,
+            "gpufleet_ref_path": ref_path,
             "gpufleet_acceptance_spec": host_spec,
             "gpufleet_pool_others": pool_others,
             "gpufleet_pool_worker_id": pool_worker_id,

@@ -253,14 +253,11 @@ def find_snapshot(model: str, revision: str, env: dict, download_dir=None) -> Pa
     local = Path(model)
     if local.is_dir():
         return local if (local / "config.json").is_file() else None
+    # huggingface_hub's offline lookup: refs/<revision> names the snapshot, else the
+    # revision is a commit with a snapshot of its own; no other snapshot stands in for it
     repo_dir = hub_cache(env, download_dir) / ("models--" + model.replace("/", "--"))
+    revision = revision or "main"
     ref = repo_dir / "refs" / revision
-    if ref.is_file():
-        snap = repo_dir / "snapshots" / ref.read_text().strip()
-        if (snap / "config.json").is_file():
-            return snap
-    snap = repo_dir / "snapshots" / revision
-    if (snap / "config.json").is_file():
-        return snap
-    found = sorted((repo_dir / "snapshots").glob("*/config.json"))
-    return found[0].parent if found else None
+    commit = ref.read_text().strip() if ref.is_file() else revision
+    snap = repo_dir / "snapshots" / commit
+    return snap if (snap / "config.json").is_file() else None

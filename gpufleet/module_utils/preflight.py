@@ -71,10 +71,12 @@ def _ports_taken(req, listening, ours_prefix="gpufleet-"):
     problems = []
     for port in req.get("ports") or []:
         owners = listening.get(port)
-        if owners is None or (owners and all(u.startswith(ours_prefix) for _, _, u in owners)):
-            continue  # free, or held by this deployment's own unit (a re-run)
+        # this deployment's own units hold their ports on a re-run: only the others count
+        others = [o for o in owners or [] if not o[2].startswith(ours_prefix)]
+        if owners is None or (owners and not others):
+            continue
         who = ", ".join(f"{comm} (pid {pid}{', ' + unit if unit else ''})"
-                        for pid, comm, unit in owners) or "a process this check cannot see"
+                        for pid, comm, unit in others) or "a process this check cannot see"
         problems.append(f"port {port} is already in use by {who}. Fix: stop it, or give the "
                         "process that needs the port another one (gpufleet_ports / --set)")
     return problems

@@ -12,6 +12,7 @@ port while the gateway cannot bind there (the crash loop that once passed as rea
 from __future__ import annotations
 
 import json
+import re
 import stat
 import time
 import urllib.error
@@ -157,14 +158,23 @@ def test_a_key_the_gateway_no_longer_enforces_fails_the_verify_play(deployed):
 
 
 def test_a_stray_listener_on_the_gateway_port_fails_the_deploy_then_it_heals(deployed):
-    """The gateway cannot bind its port (another process holds it on the host's address
-    and answers /health): the deploy fails naming the process, not 'ready'."""
+    """Another process holds the gateway's port on the host's address and answers /health:
+    a deploy is refused by preflight naming it, before any change; the serve playbook alone
+    (as a job runner runs it, no preflight) fails naming the gateway, not 'ready'."""
     ssh("lab1", "systemctl stop gpufleet-gateway.service && "
                 f"systemd-run --unit=lab-stray --collect {STRAY}", check=True)
     try:
         # the stray answers, once it has started
         assert settles(ENDPOINT.removesuffix("/v1") + "/health", 200) == 200
-        broken = fab("deploy", "--target", TARGET)
+        refused = fab("deploy", "--target", TARGET)
+        said = " ".join((refused.stdout + refused.stderr).split())
+        assert refused.returncode == 1, refused.stdout[-3000:]  # a host's state, not bad input
+        taken = re.search(r"port 30000 is already in use by (.*?)\. Fix", said)
+        assert taken and "lab-stray.service" in taken[1], said[-3000:]
+        assert "gpufleet-worker" not in taken[1]  # its own worker, on loopback, is no clash
+        assert "TASK [serve" not in refused.stdout  # refused before any change
+        broken = playbook("-i", "inventories/lab", "playbooks/serve.yml", "-e",
+                          f"gpufleet_target={TARGET}")
         said = " ".join((broken.stdout + broken.stderr).split())
         assert broken.returncode != 0, broken.stdout[-3000:]
         assert "gpufleet-gateway.service" in said and (

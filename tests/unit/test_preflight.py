@@ -154,3 +154,13 @@ def test_a_read_only_cache_path_is_refused(tmp_path):
     assert f"cache path {ro}/hf is on a read-only filesystem" in problem
     assert "Fix: mount the shared cache read-write" in problem
     assert _cache_writable({"cache": {"path": str(tmp_path / "hf")}}, str(tmp_path)) == []
+
+
+def test_a_stray_beside_our_own_unit_is_named_alone():
+    """The worker on loopback and a stray on the host's address share the port number:
+    the refusal names the stray, not the deployment's own unit."""
+    from gpufleet.module_utils.preflight import _ports_taken
+    both = {30000: [(41, "python3", "gpufleet-worker.service"),
+                    (44, "python3", "lab-stray.service")]}
+    (problem,) = _ports_taken({"ports": [30000]}, both)
+    assert "python3 (pid 44, lab-stray.service)" in problem and "gpufleet-worker" not in problem

@@ -26,6 +26,7 @@ IMPLIED_FLAGS = {
     "--reasoning-parser",
     "--enable-auto-tool-choice",
     "--limit-mm-per-prompt",      # 002 promises one image per prompt (issue 10)
+    "--revision",                 # the checkpoint's commit, pinned by the deploy (docs/plan.md)
 }
 IMPLIED_ENV = {
     "CUDA_VISIBLE_DEVICES",        # GPUs pinned for every engine unit

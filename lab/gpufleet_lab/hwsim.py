@@ -303,6 +303,11 @@ volumes = ["{LAB}:{LAB}:ro", "{LIB}:{LIB}:ro"]
 IB_SYSFS = f"{LAB}/sys/class/infiniband"
 
 
+def ib_speed(rate: int) -> str:
+    """The InfiniBand speed name the kernel prints after a 4X port's rate (XDR: ConnectX-8)."""
+    return "XDR" if rate >= 800 else "NDR" if rate >= 400 else "SDR"
+
+
 def ib_sysfs(hw: dict) -> dict[str, tuple[bytes, int]]:
     files = {}
     ib = hw.get("ib") or {}
@@ -312,7 +317,7 @@ def ib_sysfs(hw: dict) -> dict[str, tuple[bytes, int]]:
         rate = ib["rate"] if up else 10
         values = {"state": "4: ACTIVE" if up else "1: DOWN",
                   "phys_state": "5: LinkUp" if up else "2: Polling",
-                  "rate": f"{rate} Gb/sec (4X {'NDR' if rate >= 400 else 'SDR'})",
+                  "rate": f"{rate} Gb/sec (4X {ib_speed(rate)})",
                   "link_layer": ib["link_layer"]}
         values.update({f"counters/{c}": "0" for c in (
             "link_downed", "link_error_recovery", "symbol_error", "port_rcv_errors")})

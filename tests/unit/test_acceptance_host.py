@@ -227,3 +227,20 @@ def test_the_all_reduce_across_two_hosts_runs_at_the_hcas_rate_and_a_slow_port_i
     assert named["detail"].startswith("mlx5_3 port 1 at 100 Gb/s, the others at 400")
     lab1_fabric = next(c for c in one[1]["checks"] if c["kind"] == "fabric")
     assert "see the other hosts' hca checks" in lab1_fabric["detail"]
+
+
+@pytest.mark.parametrize("profile, hardware", [("b300x8", "b300"), ("gb300x4", "gb300")])
+def test_a_blackwell_ultra_node_meets_its_catalog_figures(tmp_path, profile, hardware):
+    """The catalog's acceptance figures for B300 / GB300 against the lab profile of that
+    hardware: every GPU of the node in one all_reduce, each GPU's matmul and memory writes."""
+    h = Host(tmp_path, profile)
+    gpus = list(range(len(hwsim.PROFILES[profile]["bus_ids"])))
+    expect = catalog.load().hardware[hardware].acceptance.model_dump(exclude={"source"})
+    code, report, err = h.run(groups=[{"name": "worker", "gpus": gpus}], gpus=gpus,
+                              expect=expect)
+    assert code == 0, err
+    assert report["passed"] is True
+    checks = report["checks"]
+    assert len(checks) == len(SIZES_MIB) + 2 * len(gpus)
+    for c in checks:
+        assert c["verdict"] == "pass" and c["ratio"] >= 0.8, c

@@ -132,9 +132,15 @@ EXPECTED = {
     "h200x8": ("NVIDIA H200", 8, "hopper", "9.0", 143771),
     "h200x2": ("NVIDIA H200", 2, "hopper", "9.0", 143771),
     "b200x8": ("NVIDIA B200", 8, "blackwell", "10.0", 183359),
+    "b300x8": ("NVIDIA B300 SXM6 AC", 8, "blackwell", "10.3", 275040),
     "gb200x4": ("NVIDIA GB200", 4, "blackwell", "10.0", 189471),
+    "gb300x4": ("NVIDIA GB300", 4, "blackwell", "10.3", 284208),
+    "mi300x8": ("AMD Instinct MI300X", 8, "cdna3", "gfx942", 196592),
+    "mi325x8": ("AMD Instinct MI325X", 8, "cdna3", "gfx942", 262144),
     "mi355x8": ("AMD Instinct MI355X", 8, "cdna4", "gfx950", 294896),
 }
+# HCAs per host: one per GPU (a GB300 tray's ConnectX-8 ports run InfiniBand XDR, one each)
+HCAS = {"gb200x4": 4, "gb300x4": 4}
 
 
 def test_every_profile_is_expected():
@@ -161,7 +167,7 @@ def test_profile_parses_to_its_hardware(host, profile):
         assert (ib["count"], ib["all_active"]) == (0, False)
         assert "/dev/infiniband" not in devices
     else:
-        assert ib["count"] == (4 if profile == "gb200x4" else 8)
+        assert ib["count"] == HCAS.get(profile, 8)
         assert ib["all_active"] is True
         assert ib["link_layers"] == ["InfiniBand"]
         assert "/dev/infiniband/uverbs0 231 192" in devices
@@ -254,8 +260,9 @@ def test_rendered_tools_are_executable_python_scripts():
         assert mode == 0o755
 
 
-def test_fabric_manager_brings_the_fabric_to_completed(host):
-    h = host("b200x8")
+@pytest.mark.parametrize("profile", ["b200x8", "b300x8"])
+def test_fabric_manager_brings_the_fabric_to_completed(host, profile):
+    h = host(profile)
     assert h.gpu_facts()["fabric"]["state"] == "In Progress"
     h.start(
         "nv-fabricmanager",
@@ -271,7 +278,7 @@ def test_fabric_manager_brings_the_fabric_to_completed(host):
 
 
 def test_hgx_hosts_own_their_nvswitches_and_run_the_fabric_manager(host):
-    for profile, switches in (("h200x8", 4), ("b200x8", 2)):
+    for profile, switches in (("h200x8", 4), ("b200x8", 2), ("b300x8", 2)):
         h = host(profile)
         facts = h.gpu_facts()
         assert facts["nvswitches"] == [
@@ -279,8 +286,9 @@ def test_hgx_hosts_own_their_nvswitches_and_run_the_fabric_manager(host):
         ]
         assert facts["fabric_manager"] == "local"
         assert "/dev/nvidia-nvswitchctl 509 255" in h.read("/etc/gpufleet-lab/devices")
-    # a GB200 tray's fabric belongs to the NVLink switch trays
-    assert host("gb200x4").gpu_facts()["fabric_manager"] == "external"
+    # a GB200 / GB300 tray's fabric belongs to the NVLink switch trays
+    for tray in ("gb200x4", "gb300x4"):
+        assert host(tray).gpu_facts()["fabric_manager"] == "external"
 
 
 def test_h200x2_is_the_real_2x_h200_virtual_machine(host):
@@ -318,6 +326,39 @@ def test_h200x2_is_the_real_2x_h200_virtual_machine(host):
     assert (facts["fabric"]["ok"], facts["nvswitches"]) == (True, [])
     assert facts["fabric_manager"] == "external"
     assert facts["fabric_problem"] is None
+
+
+@pytest.mark.parametrize("profile, pci, watts", [
+    ("b300x8", ("318210DE", "20E610DE"), "1100.00 W"),
+    ("gb300x4", ("31C210DE", "21F110DE"), "1400.00 W"),
+])
+def test_blackwell_ultra_reports_its_pci_ids_power_nvlink_and_connectx8(host, profile, pci,
+                                                                        watts):
+    h = host(profile)
+    gpus = ET.fromstring(h.out("nvidia-smi", "-q", "-x")).findall("gpu")
+    assert {(g.findtext("pci/pci_device_id"), g.findtext("pci/pci_sub_system_id"))
+            for g in gpus} == {pci}
+    assert {g.findtext("gpu_power_readings/current_power_limit") for g in gpus} == {watts}
+    assert {g.findtext("product_architecture") for g in gpus} == {"Blackwell"}
+    query = h.out("nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader")
+    assert set(query.split()) == {"10.3"}
+    links = gf.parse_nvlink_status(h.out("nvidia-smi", "nvlink", "-s"))
+    assert {x["speed_gbps"] for g in links for x in g["links"]} == {53.125}  # NVLink 5, as printed
+    hcas = gf.parse_ibstat(h.out("ibstat"))
+    assert {(c["ca_type"], c["ports"][0]["rate_gbps"]) for c in hcas} == {("MT4131", 800)}
+    assert h.read("/etc/gpufleet-lab/sys/class/infiniband/mlx5_0/ports/1/rate") == (
+        "800 Gb/sec (4X XDR)\n")
+
+
+@pytest.mark.parametrize("profile, ids, units, vram", [
+    ("mi300x8", ("0x74a1", "0x74a1"), 304, "HBM3"),
+    ("mi325x8", ("0x74a5", "0x0c34"), 304, "HBM3E"),
+])
+def test_cdna3_reports_its_pci_ids_compute_units_and_vram(host, profile, ids, units, vram):
+    static = json.loads(host(profile).out("amd-smi", "static", "--json"))["gpu_data"]
+    assert {(g["asic"]["device_id"], g["asic"]["subsystem_id"]) for g in static} == {ids}
+    assert {(g["asic"]["num_compute_units"], g["asic"]["target_graphics_version"],
+             g["vram"]["type"]) for g in static} == {(units, "gfx942", vram)}
 
 
 def test_fault_fabric_pending_on_the_vm(host):
@@ -419,15 +460,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_gb200_imex_domain_up_and_mnnvl_facts(host):
-    h = host("gb200x4")
+@pytest.mark.parametrize("profile", ["gb200x4", "gb300x4"])
+def test_grace_tray_imex_domain_up_and_mnnvl_facts(host, profile):
+    h = host(profile)
     hw = h.read("/etc/gpufleet-lab/hw.json")
     assert '"cpu_arch": "aarch64"' in hw
     assert "for aarch64" in h.read("/etc/gpufleet-lab/proc-driver-nvidia-version")
     assert "/dev/nvidia-caps-imex-channels/channel0" in h.read("/etc/gpufleet-lab/devices")
     facts = h.gpu_facts()
     assert facts["fabric"]["state"] == "Completed"
-    assert facts["fabric"]["cluster_uuid"] == "5d2c0a8e-6f4b-4c1e-9a37-2b8d1e0f7c41"
+    assert facts["fabric"]["cluster_uuid"] == {
+        "gb200x4": "5d2c0a8e-6f4b-4c1e-9a37-2b8d1e0f7c41",
+        "gb300x4": "019a7368-bea6-45df-8160-88df2f44dc0a"}[profile]  # one domain per kind
     assert facts["fabric"]["clique_id"] == "32766"
     assert h.run("nvidia-imex", "-c", "/etc/nvidia-imex/config.cfg").returncode == 1  # no nodes
     _imex_nodes(h, "127.0.0.1", "127.0.0.2", port=_free_port())
@@ -457,11 +501,16 @@ def test_fault_imex_down(host):
     assert imex["all_connected"] is False
 
 
-def test_mi355x8_rocm_smi_agrees_with_amd_smi(host):
-    h = host("mi355x8")
+@pytest.mark.parametrize("profile", ["mi300x8", "mi325x8", "mi355x8"])
+def test_rocm_smi_agrees_with_amd_smi(host, profile):
+    h = host(profile)
     out = h.out("rocm-smi", "--showproductname", "--showmeminfo", "vram", "--json")
     facts = gf.gpu_facts(rocm_smi=out)
-    assert (facts["count"], facts["gfx_target"], facts["memory_mib"]) == (8, "gfx950", 294896)
+    _, count, _, gfx, memory = EXPECTED[profile]
+    assert (facts["count"], facts["gfx_target"], facts["memory_mib"]) == (count, gfx, memory)
+    amd_smi = h.gpu_facts()
+    for key in ("count", "model", "arch", "gfx_target", "memory_mib"):
+        assert facts[key] == amd_smi[key], key
     assert not h.has("nvidia-smi")
 
 
@@ -510,7 +559,8 @@ def test_nvidia_ctk_needs_the_driver_as_the_real_one_does(host):
     assert proc.returncode == 1 and "failed to initialize NVML" in proc.stderr
 
 
-@pytest.mark.parametrize("profile", ["mi355x8", "h200x8"])
+@pytest.mark.parametrize("profile", ["mi300x8", "mi325x8", "mi355x8", "h200x8", "b300x8",
+                                     "gb300x4"])
 def test_containers_see_the_simulated_gpus_on_amd_hosts_only(profile):
     """AMD: a containers.conf drop-in mounts the simulated hardware into every container
     (a ROCm container reads the host's sysfs); NVIDIA hosts get it from the CDI spec, and a

@@ -27,13 +27,21 @@ def req(target: str, role: str = "prefill") -> dict:
 
 def problems_for(host, target, profile, *faults, role="prefill", free=10_000.0):  # noqa: F811
     h = host(profile, *faults)
-    return check_host(req(target, role), h.gpu_facts(), h.ib_facts(), "x86_64", free)
+    cpu_arch = json.loads(h.read("/etc/gpufleet-lab/hw.json"))["cpu_arch"]  # as `uname -m` says
+    return check_host(req(target, role), h.gpu_facts(), h.ib_facts(), cpu_arch, free)
 
 
 @pytest.mark.parametrize("target,profile,role", [
     ("h200-pd-1node", "h200x8", "prefill"),
     ("h200-disagg", "h200x8", "decode"),
     ("sglang-mi355x-low-latency", "mi355x8", "worker"),
+    ("sglang-mi300x-balanced", "mi300x8", "worker"),
+    ("sglang-mi300x-pd", "mi300x8", "decode"),
+    ("sglang-mi325x-balanced", "mi325x8", "worker"),
+    ("sglang-b300-balanced", "b300x8", "worker"),
+    ("sglang-b300-pd", "b300x8", "prefill"),
+    ("sglang-gb300-balanced", "gb300x4", "worker"),
+    ("sglang-gb300-pd", "gb300x4", "decode"),
 ])
 def test_matching_host_passes(host, target, profile, role, monkeypatch):  # noqa: F811
     # an AMD target's plan is refused (no ROCm engine build: test_rules); its host

@@ -668,6 +668,12 @@ def nvidia_imex_ctl(hw, args):
 AMD_RAS_BLOCKS = ("UMC", "SDMA", "GFX", "MMHUB", "PCIE_BIF", "HDP", "XGMI_WAFL")
 
 
+def amd_subsystem_id(spec):
+    """The profile's PCI subsystem ID; profiles without one print what the simulator always
+    printed."""
+    return spec.get("subsystem_id", "0x0c34")
+
+
 def amd_fault(name, g):
     return gpu_faults().get(name, {}).get(str(g["index"]), {})
 
@@ -683,7 +689,7 @@ def amd_static(hw):
                 "vendor_name": "Advanced Micro Devices Inc. [AMD/ATI]",
                 "subvendor_id": "0x1002",
                 "device_id": spec["device_id"],
-                "subsystem_id": "0x0c34",
+                "subsystem_id": amd_subsystem_id(spec),
                 "rev_id": "0x00",
                 "asic_serial": "0x" + g["serial"].rjust(16, "0"),
                 "oam_id": g["index"],
@@ -876,7 +882,7 @@ def rocm_smi(hw, args):
                     "Card Model": spec["device_id"],
                     "Card Vendor": "Advanced Micro Devices, Inc. [AMD/ATI]",
                     "Card SKU": "MI3SKU",
-                    "Subsystem ID": "0x0c34",
+                    "Subsystem ID": amd_subsystem_id(spec),
                     "Device Rev": "0x00",
                     "Node ID": str(g["index"] + 2),
                     "GUID": str(1000 + g["index"]),

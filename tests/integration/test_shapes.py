@@ -1,22 +1,33 @@
-"""Every plan shape deployed: one representative of each shape in tests/shapes.yml (made by
-gpufleet/shapes.py over every target and documented option) goes onto the lab with
-site.yml, whose verify play proves what a deploy promises (each unit's own process holds
-its port, the key is enforced, loopback ports are closed to the controller, no unit
-restarts). The test asks again from here, so a verify play that passed a broken promise
-fails too: the endpoint refuses a request without the key (or, planned open, serves it)
-and serves one with it, and no port the plan keeps on loopback answers.
+"""Every plan shape deployed (those the registry marks `slow` with --slow), and with --slow
+every target as well: one representative of each shape in tests/shapes.yml (made by
+gpufleet/shapes.py over every target and documented option) goes onto the lab with site.yml,
+whose verify play proves what a deploy promises
+(each unit's own process holds its port, the key is enforced, loopback ports are closed to
+the controller, no unit restarts). The test asks again from here, so a verify play that
+passed a broken promise fails too: the endpoint refuses a request without the key (or,
+planned open, serves it) and serves one with it, and no port the plan keeps on loopback
+answers.
 
 Shapes another test deploys name it (`by`), and are not deployed twice. The smoke test and
 the health checker are left out (the verify play holds the key check; each engine family's
-smoke test and the health timer run in test_deploy.py and test_image_runtime.py), and a
-shape whose engine this module already prepared on the lab deploys its cache, serve and
-verify phases alone (the engine's runtime is the same whatever the shape).
+smoke test and the health timer run in test_deploy.py and test_image_runtime.py).
+
+The deploys run in lanes: the lab boots two hosts per lane, each lane of one lab profile,
+and the lanes deploy side by side, each its cases one after the other (a case of an
+engine and runtime its lane already prepared deploys its cache, serve and verify phases
+alone, and one whose checkpoints its lane's hosts have fetched its serve and verify phases:
+the engine's runtime and the checkpoint are the same whatever the shape). One deploy per
+case: each test reads its case's outcome.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 import socket
+import threading
+import time
+import traceback
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -28,45 +39,95 @@ from labutil import ROOT, fab, lab_inventory, playbook, ssh
 from gpufleet import catalog as cat
 from gpufleet import shapes
 from gpufleet_lab import hosts as lab_hosts
+from gpufleet_lab import hwsim
+from gpufleet_lab import images as lab_images
 
 pytestmark = pytest.mark.lab
 
 REGISTRY = yaml.safe_load((ROOT / shapes.REGISTRY).read_text())["shapes"]
-# the lab profile a target's hardware runs on
-PROFILES = {"h200": "h200x8", "gb200": "gb200x4"}
-HOSTS = ("lab1", "lab2")
+# the lab profile a target's hardware runs on: the first profile of that hardware
+PROFILES: dict[str, str] = {}
+for _name in hwsim.PROFILES:
+    PROFILES.setdefault(lab_hosts.hardware_of(_name), _name)
+# lanes deploying side by side (two lab hosts each; one at least per lab profile the cases
+# need); more only queue on the machine's CPUs
+LANES = 6
+TESTS = ("test_the_shape_deploys_and_keeps_its_promises", "test_every_target_deploys")
 
 
-def _params():
-    catalog = cat.load()
+def _shape_params():
     entries = [e for e in REGISTRY if not e.get("by")]
-    # one lab profile after the other, each family's shapes together (they share its venv)
-    order = list(PROFILES)  # the lab's default profile first: it is what runs before
-
-    def key(e):
-        target = catalog.targets[shapes.case_of(e["case"]).target]
-        return order.index(target.hardware), target.engine
-
-    entries.sort(key=key)
-    return [pytest.param(e, id=e["case"], marks=[pytest.mark.slow] if e["slow"] else [])
+    return [pytest.param(e["case"], id=e["case"], marks=[pytest.mark.slow] if e["slow"] else [])
             for e in entries]
 
 
-def _inventory(tmp_path: Path, case: shapes.Case) -> str:
-    """The lab's inventory with the case's overrides, its groups filled from lab1 then
-    lab2 (two hosts where a group needs two: replicas, a two-node engine)."""
+def _target_params():
+    """Every target that is no shape's representative (those deploy in every run)."""
+    represented = {e["case"] for e in REGISTRY}
+    return [pytest.param(name, id=name, marks=pytest.mark.slow)
+            for name in cat.load().targets if name not in represented]
+
+
+def _hardware(case: shapes.Case) -> str:
+    return cat.load().targets[case.target].hardware
+
+
+def _runtime(case: shapes.Case) -> str:
+    catalog = cat.load()
+    vendor = catalog.hardware[_hardware(case)].vendor
+    return "image" if "image" in case.variants else catalog.runtimes.default[vendor]
+
+
+def _group(case: shapes.Case) -> tuple[str, str, str]:
+    """What a lane prepares once for a case: its hardware, engine and runtime."""
+    return _hardware(case), cat.load().targets[case.target].engine, _runtime(case)
+
+
+def pack(cases: list[shapes.Case], lanes: int = LANES) -> list[list[shapes.Case]]:
+    """Cases into at most LANES lanes of one hardware each: lanes shared among the
+    hardware by their number of cases (one at least), then the cases of one engine and
+    runtime kept together, the largest group first into the lane with the fewest cases."""
+    groups: dict[tuple, list[shapes.Case]] = {}
+    for case in cases:
+        groups.setdefault(_group(case), []).append(case)
+    per_hw: dict[str, int] = {}
+    for (hw, _, _), members in groups.items():
+        per_hw[hw] = per_hw.get(hw, 0) + len(members)
+    total = sum(per_hw.values())
+    share = {hw: max(1, round(lanes * n / total)) for hw, n in per_hw.items()}
+    out: list[list[shapes.Case]] = []
+    for hw in sorted(per_hw, key=per_hw.get, reverse=True):
+        mine: list[list[shapes.Case]] = [[] for _ in range(share[hw])]
+        for key in sorted((k for k in groups if k[0] == hw), key=lambda k: -len(groups[k])):
+            min(mine, key=len).extend(groups[key])
+        out += [lane for lane in mine if lane]
+    return out
+
+
+def _inventory(tmp_path: Path, case: shapes.Case, hosts: tuple[str, str], lane: int) -> str:
+    """The lab's inventory of the lane's two hosts, a deployment of its own (its key, its
+    record of the hosts it served), with the case's overrides, its groups
+    filled from the first host then the second (two hosts where a group needs two:
+    replicas, a two-node engine; decode on the second)."""
     catalog = cat.load()
     target = catalog.targets[case.target]
     groups = dict(catalog.topologies[target.topology].groups)
     if "replicas" in case.variants:
         groups = {g: 2 for g in groups}
-    members = {g: list(HOSTS[:n]) if n > 1 else [{"decode": "lab2"}.get(g, "lab1")]
+    members = {g: list(hosts[:n]) if n > 1 else [hosts[1] if g == "decode" else hosts[0]]
                for g, n in groups.items()}
     ov = shapes.overrides(case, catalog)
     names = {"workers": "gpufleet_workers", "replicas": "gpufleet_replicas",
              "runtime": "gpufleet_runtime", "api_key": "gpufleet_api_key"}
-    all_vars = {"gpufleet_target": case.target, **{names[k]: v for k, v in ov.items()}}
-    return lab_inventory(tmp_path, all_vars, groups=members)
+    all_vars = {"gpufleet_target": case.target, "gpufleet_deployment": f"lab-lane{lane}",
+                **{names[k]: v for k, v in ov.items()}}
+    path = Path(lab_inventory(tmp_path, all_vars, groups=members))
+    inventory = yaml.safe_load((path / "hosts.yml").read_text())
+    lab = inventory["all"]["children"]["lab"]["hosts"]
+    for name in set(lab) - set(hosts):  # the other lanes' hosts are not this deployment's
+        del lab[name]
+    (path / "hosts.yml").write_text(yaml.safe_dump(inventory))
+    return str(path)
 
 
 def _status(url: str, key: str | None = None) -> int | None:
@@ -88,47 +149,33 @@ def _answers(address: str, port: int) -> bool:
         return False
 
 
-@pytest.fixture(scope="module")
-def prepared(_lab_session):
-    """What a deploy of this module prepared on each host (lab profile, host, runtime,
-    engine, system packages): a later shape that needs nothing else deploys only its
-    checkpoint, units and promises (cache, serve, verify)."""
-    return set()
-
-
-def _quiet_health(profile: str) -> None:
-    """The lab of this profile up, and the health timer of an earlier deploy stopped: this
-    module deploys no health checker (each deploy would restart it), and one left checking
-    another shape's units would restart units of the same name under the verify play."""
-    lab_hosts.up(hosts=2, profiles=[profile])
-    for host in HOSTS:
-        ssh(host, "systemctl stop gpufleet-health.timer gpufleet-health.service "
-                  "gpufleet-health-watch.service 2>/dev/null; true")
-
-
-@pytest.mark.parametrize("entry", _params())
-def test_the_shape_deploys_and_keeps_its_promises(entry, prepared, tmp_path):
-    case = shapes.case_of(entry["case"])
-    target = cat.load().targets[case.target]
-    profile = PROFILES[target.hardware]
-    _quiet_health(profile)
-    inv = _inventory(tmp_path, case)
+def deploy_and_check(case: shapes.Case, hosts: tuple[str, str], lane: int, prepared: set,
+                     tmp_path: Path) -> None:
+    """Deploy CASE on the lane's HOSTS and prove its promises from the controller; raises
+    AssertionError naming what failed."""
+    inv = _inventory(tmp_path, case, hosts, lane)
     planned = fab("plan", "-i", inv, "--format", "json")
     assert planned.returncode == 0, planned.stdout[-3000:] + planned.stderr[-3000:]
     plan = json.loads(planned.stdout)
-    # the lab's inventory gives the case's shape (the registry's line), not another
-    expected = shapes.shape(shapes.plan_case(case))
-    assert expected == entry["shape"], "stale tests/shapes.yml: python -m gpufleet.shapes --write"
+    if case.name in {e["case"] for e in REGISTRY}:
+        # the lab's inventory gives the case's shape (the registry's line), not another
+        line = next(e["shape"] for e in REGISTRY if e["case"] == case.name)
+        assert shapes.shape(shapes.plan_case(case)) == line, \
+            "stale tests/shapes.yml: python -m gpufleet.shapes --write"
 
     # what prepare makes on each host: its engine runtime and the system packages the plan
-    # needs there (etcd for a Dynamo pool), on this profile's lab
-    kinds = {(profile, name, req["engine"]["runtime"], req["engine"]["name"],
+    # needs there (etcd for a Dynamo pool)
+    kinds = {(name, req["engine"]["runtime"], req["engine"]["name"],
               tuple(req["system_packages"])) for name, req in plan["hosts"].items()}
-    phases = ("--tags", "cache,serve,verify") if kinds <= prepared else \
-        ("--skip-tags", "smoke,health")
+    # and what cache fetched for each host: its checkpoints on the shared cache
+    fetched = {(name, m["repo"], m["revision"]) for name, req in plan["hosts"].items()
+               for m in req["cache"]["models"]}
+    phases = ("--skip-tags", "smoke,health") if not kinds <= prepared else \
+        ("--tags", "cache,serve,verify") if not fetched <= prepared else \
+        ("--tags", "serve,verify")
     run = playbook("-i", inv, "site.yml", *phases)
-    prepared.update(kinds)
-    assert run.returncode == 0, run.stdout[-6000:]
+    assert run.returncode == 0, f"site.yml {' '.join(phases)}:\n" + run.stdout[-6000:]
+    prepared.update(kinds | fetched)
     assert "Verify | Units | Every unit active, running and not restarted" in run.stdout
 
     endpoints = plan["endpoints"] or [plan["endpoint"]]
@@ -143,3 +190,88 @@ def test_the_shape_deploys_and_keeps_its_promises(entry, prepared, tmp_path):
             assert bare == 200, f"{endpoint} (planned open) answered {bare}"
     reached = [p for p in plan["exposure"]["loopback"] if _answers(p["address"], p["port"])]
     assert reached == [], f"loopback ports that answer the controller: {reached}"
+
+
+def _lane(number: int, cases: list[shapes.Case], hosts: tuple[str, str], outcomes: dict,
+          tmp: Path, say) -> None:
+    # a health timer an earlier module left would restart units of the same name under
+    # the verify play: this module deploys no health checker
+    for host in hosts:
+        ssh(host, "systemctl stop gpufleet-health.timer gpufleet-health.service "
+                  "gpufleet-health-watch.service 2>/dev/null; true")
+    prepared: set = set()
+    for case in cases:
+        started = time.monotonic()
+        work = tmp / case.name
+        work.mkdir(parents=True)
+        try:
+            deploy_and_check(case, hosts, number, prepared, work)
+            outcomes[case.name] = None
+        except AssertionError as exc:
+            outcomes[case.name] = str(exc)
+        except Exception:  # noqa: BLE001 (the test names it; the lane goes on)
+            outcomes[case.name] = traceback.format_exc()
+        verdict = "ok" if outcomes[case.name] is None else "FAILED"
+        say(f"lane {number} ({hosts[0]}, {hosts[1]}): {case.name} {verdict} "
+            f"({time.monotonic() - started:.0f} s)")
+
+
+@pytest.fixture(scope="module")
+def outcomes(request, _lab_session, tmp_path_factory):
+    """Every selected case deployed in lanes: case name -> None (kept its promises) or
+    what failed."""
+    names = [item.callspec.params["name"] for item in request.session.items
+             if getattr(item, "originalname", "") in TESTS]
+    cases = [shapes.case_of(n) for n in names]
+    missing = sorted({_hardware(c) for c in cases} - set(PROFILES))
+    cases = [c for c in cases if _hardware(c) in PROFILES]
+    lanes = pack(cases)
+    profiles = [PROFILES[_hardware(lane[0])] for lane in lanes for _ in (0, 1)]
+    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+    capture = request.config.pluginmanager.get_plugin("capturemanager")
+    lock = threading.Lock()
+
+    def say(line: str) -> None:
+        """Progress as it happens (the deploys take minutes), past pytest's capture."""
+        with lock, capture.global_and_fixture_disabled():
+            reporter.write_line(f"shapes: {line}")
+
+    out: dict = {c.name: f"no lab profile for {_hardware(c)} (lab/gpufleet_lab/hwsim_data/"
+                         "profiles.yml)" for c in map(shapes.case_of, names)
+                 if _hardware(c) in missing}
+    if not lanes:
+        return out
+    lab_hosts.up(hosts=len(profiles), profiles=profiles)
+    engines = sorted({cat.load().targets[c.target].engine for c in cases
+                      if _runtime(c) == "image"})
+    if engines:
+        lab_images.ensure(engines=engines)
+    tmp = tmp_path_factory.mktemp("lanes")
+    say(f"{len(cases)} deploys in {len(lanes)} lanes of "
+        f"{', '.join(str(len(lane)) for lane in lanes)}")
+    threads = [threading.Thread(target=_lane, args=(i + 1, lane, (f"lab{2 * i + 1}",
+                                                                  f"lab{2 * i + 2}"),
+                                                    out, tmp, say))
+               for i, lane in enumerate(lanes)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _verdict(outcomes: dict, name: str) -> None:
+    assert name in outcomes, f"{name} was not deployed"
+    if outcomes[name] is not None:
+        pytest.fail(f"{name}: {outcomes[name]}", pytrace=False)
+
+
+@pytest.mark.parametrize("name", _shape_params())
+def test_the_shape_deploys_and_keeps_its_promises(name, outcomes):
+    _verdict(outcomes, name)
+
+
+@pytest.mark.parametrize("name", _target_params())
+def test_every_target_deploys(name, outcomes):
+    _verdict(outcomes, name)

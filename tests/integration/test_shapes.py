@@ -62,7 +62,7 @@ def _shape_params():
 
 
 def _target_params():
-    """Every target that is no shape's representative (those deploy in every run)."""
+    """Every target that is no shape's representative (those deploy as their shape)."""
     represented = {e["case"] for e in REGISTRY}
     return [pytest.param(name, id=name, marks=pytest.mark.slow)
             for name in cat.load().targets if name not in represented]
@@ -84,8 +84,8 @@ def _group(case: shapes.Case) -> tuple[str, str, str]:
 
 
 def pack(cases: list[shapes.Case], lanes: int = LANES) -> list[list[shapes.Case]]:
-    """Cases into at most LANES lanes of one hardware each: lanes shared among the
-    hardware by their number of cases (one at least), then the cases of one engine and
+    """Cases into about LANES lanes of one hardware each: lanes shared among the
+    hardware by their number of cases (one at least per hardware), then the cases of one engine and
     runtime kept together, the largest group first into the lane with the fewest cases."""
     groups: dict[tuple, list[shapes.Case]] = {}
     for case in cases:

@@ -45,7 +45,9 @@ from gpufleet_lab import images as lab_images
 pytestmark = pytest.mark.lab
 
 REGISTRY = yaml.safe_load((ROOT / shapes.REGISTRY).read_text())["shapes"]
-# the lab profile a target's hardware runs on: the first profile of that hardware
+SHAPE_OF = {e["case"]: e["shape"] for e in REGISTRY}  # a representative case -> its shape
+# the lab profile a target's hardware runs on: the first profile of that hardware (every
+# catalog hardware has one: tests/unit/test_lab_profiles.py)
 PROFILES: dict[str, str] = {}
 for _name in hwsim.PROFILES:
     PROFILES.setdefault(lab_hosts.hardware_of(_name), _name)
@@ -63,9 +65,8 @@ def _shape_params():
 
 def _target_params():
     """Every target that is no shape's representative (those deploy as their shape)."""
-    represented = {e["case"] for e in REGISTRY}
     return [pytest.param(name, id=name, marks=pytest.mark.slow)
-            for name in cat.load().targets if name not in represented]
+            for name in cat.load().targets if name not in SHAPE_OF]
 
 
 def _hardware(case: shapes.Case) -> str:
@@ -157,10 +158,9 @@ def deploy_and_check(case: shapes.Case, hosts: tuple[str, str], lane: int, prepa
     planned = fab("plan", "-i", inv, "--format", "json")
     assert planned.returncode == 0, planned.stdout[-3000:] + planned.stderr[-3000:]
     plan = json.loads(planned.stdout)
-    if case.name in {e["case"] for e in REGISTRY}:
+    if case.name in SHAPE_OF:
         # the lab's inventory gives the case's shape (the registry's line), not another
-        line = next(e["shape"] for e in REGISTRY if e["case"] == case.name)
-        assert shapes.shape(shapes.plan_case(case)) == line, \
+        assert shapes.shape(shapes.plan_case(case)) == SHAPE_OF[case.name], \
             "stale tests/shapes.yml: python -m gpufleet.shapes --write"
 
     # what prepare makes on each host: its engine runtime and the system packages the plan
@@ -223,8 +223,6 @@ def outcomes(request, _lab_session, tmp_path_factory):
     names = [item.callspec.params["name"] for item in request.session.items
              if getattr(item, "originalname", "") in TESTS]
     cases = [shapes.case_of(n) for n in names]
-    missing = sorted({_hardware(c) for c in cases} - set(PROFILES))
-    cases = [c for c in cases if _hardware(c) in PROFILES]
     lanes = pack(cases)
     profiles = [PROFILES[_hardware(lane[0])] for lane in lanes for _ in (0, 1)]
     reporter = request.config.pluginmanager.get_plugin("terminalreporter")
@@ -236,9 +234,7 @@ def outcomes(request, _lab_session, tmp_path_factory):
         with lock, capture.global_and_fixture_disabled():
             reporter.write_line(f"shapes: {line}")
 
-    out: dict = {c.name: f"no lab profile for {_hardware(c)} (lab/gpufleet_lab/hwsim_data/"
-                         "profiles.yml)" for c in map(shapes.case_of, names)
-                 if _hardware(c) in missing}
+    out: dict = {}
     if not lanes:
         return out
     lab_hosts.up(hosts=len(profiles), profiles=profiles)

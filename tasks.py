@@ -24,13 +24,13 @@ from invoke import Collection, Exit, task
 from gpufleet import acceptance as acceptance_report
 from gpufleet import cli
 from gpufleet.inventory import InventoryError
-from gpufleet.plan import ENGINE_ROLES, PlanError
+from gpufleet.model import ROLES
+from gpufleet.plan import PlanError
 
 ROOT = Path(__file__).resolve().parent
 # The lab (lab/, apart from the installed package) adds `fab lab.*` where it is present.
 LAB = ROOT / "lab"
 DEFAULT_INVENTORY = "inventories/lab"
-ROLES = ["etcd", *ENGINE_ROLES, "router", "gateway"]
 # `fab targets | head -1`: a closed pipe ends the output quietly, as for any command-line tool
 # (only in the fab program: a process that imports this module, a test run, keeps Python's
 # own handling, where a closed pipe is an error the code sees)
@@ -134,13 +134,19 @@ def _one_at_a_time(p, what: str):
         yield
 
 
+# a captured run's output: Ansible's JSON result, with what each host's play published
+# for fab (_reports)
+JSON_RESULT = {"ANSIBLE_STDOUT_CALLBACK": "json", "ANSIBLE_LOAD_CALLBACK_PLUGINS": "1",
+               "ANSIBLE_SHOW_CUSTOM_STATS": "1"}
+
+
 def _ansible(playbook, plan_obj, inventory, extra=None, capture=False, check=False):
     """Run a playbook (or a list, in one run, sharing the plan) with the plan; with
     capture, return Ansible's JSON result."""
     books = [playbook] if isinstance(playbook, str) else list(playbook)
     env = {**os.environ, "ANSIBLE_CONFIG": str(ROOT / "ansible.cfg")}
     if capture:
-        env.update(ANSIBLE_STDOUT_CALLBACK="json", ANSIBLE_LOAD_CALLBACK_PLUGINS="1")
+        env.update(JSON_RESULT)
     extra_vars = {"gpufleet_plan_json": plan_obj.to_json(), **(extra or {})}
     # the plan travels in a private file, not on the command line (`ps` shows argv)
     with tempfile.NamedTemporaryFile("w", prefix="gpufleet-plan-", suffix=".json") as fh:
@@ -168,21 +174,20 @@ def _ansible(playbook, plan_obj, inventory, extra=None, capture=False, check=Fal
     return result.returncode, None
 
 
-def _results(report: dict, register_task: str) -> dict[str, dict]:
-    """host -> result of the named task from Ansible's JSON callback output."""
-    out: dict[str, dict] = {}
-    for play in report.get("plays", []):
-        for t in play.get("tasks", []):
-            if t["task"]["name"] == register_task:
-                out.update(t["hosts"])
-    return out
+def _reports(report: dict) -> dict[str, dict]:
+    """host -> what its play published for fab (set_stats `gpufleet_report`, per host), read
+    from Ansible's JSON result: a structured result, never looked up by a task's name."""
+    return {host: stats["gpufleet_report"]
+            for host, stats in (report.get("custom_stats") or {}).items()
+            if "gpufleet_report" in stats}
 
 
-def _host_json(report: dict, register_task: str, ok_key: str) -> dict[str, dict]:
-    """host -> the JSON the named task printed; a host whose task printed none gets
-    ``{ok_key: False, "checks": [], "error": <its last line of stderr, or Ansible's msg>}``."""
+def _host_json(report: dict, ok_key: str) -> dict[str, dict]:
+    """host -> the JSON its published command printed (`stdout`); a host whose command
+    printed none gets ``{ok_key: False, "checks": [], "error": <its last line of stderr, or
+    Ansible's msg>}``."""
     out: dict[str, dict] = {}
-    for host, r in _results(report, register_task).items():
+    for host, r in _reports(report).items():
         try:
             out[host] = json.loads(r.get("stdout") or "")
         except ValueError:
@@ -342,8 +347,10 @@ def _status(p, inventory, roles=None, journal=0):
     if roles:
         extra["status_roles"] = roles
     _rc, report = _ansible("playbooks/status.yml", p, inventory, extra, capture=True)
-    per_host = _results(report, "Status | Units")
-    return per_host, _unreachable(report)
+    per_host = _reports(report)
+    # a planned host that reported nothing (unreachable, failed, or its play published no
+    # result) is named, never read as a host with no units
+    return per_host, sorted(set(_unreachable(report)) | (set(p.hosts) - set(per_host)))
 
 
 def _uptime(seconds: int) -> str:
@@ -373,7 +380,7 @@ def status(c, target=None, inventory=DEFAULT_INVENTORY, format="text"):
         for h, fault in sick.items():
             print(cli.sick_text(h, fault))
         for h in bad:
-            print(f"{h}: unreachable or failed (see ansible output with -v)")
+            print(f"{h}: unreachable, failed or reported nothing (see the ansible output with -v)")
     if bad or sick or any(r["active"] != "active" or r["ready"] is False for r in rows):
         raise Exit(code=1)
 
@@ -428,7 +435,7 @@ def health(c, target=None, inventory=DEFAULT_INVENTORY, format="text"):
     _format(format, "text", "json")
     p = _deployed(target, inventory)
     _rc, report = _ansible("playbooks/health_report.yml", p, inventory, capture=True)
-    results = _host_json(report, "Health report | Run the checker", "healthy")
+    results = _host_json(report, "healthy")
     bad = [h for h in _unreachable(report) if h not in results]
     if format == "json":
         print(json.dumps({"hosts": results, "unreachable": bad}, indent=2))
@@ -464,7 +471,7 @@ def acceptance(c, target=None, inventory=DEFAULT_INVENTORY, threshold="0.8", tim
                             "acceptance_while_serving": bool(while_serving),
                             "acceptance_gpus": [int(g) for g in gpus.split(",") if g.strip()]},
                            capture=True)
-    reports = _host_json(report, "Acceptance | Measure (minutes; one process per GPU)", "passed")
+    reports = _host_json(report, "passed")
     for host in _unreachable(report):
         if host not in reports:
             reports[host] = {"passed": False, "checks": [], "error": _failure(report, host)}

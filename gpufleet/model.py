@@ -23,7 +23,10 @@ from . import catalog as cat
 from . import inputs
 
 ENGINE_ROLES = ("worker", "prefill", "decode")
+# every role a process can have, in start order (the one list of them: fab's --role, the
+# playbooks' role filters and the health checker's config read it or the plan)
 START_ORDER = {"etcd": 0, "worker": 1, "prefill": 1, "decode": 1, "router": 2, "gateway": 3}
+ROLES = tuple(START_ORDER)
 # roles whose program comes from a catalog entry of their own, not the target's engine
 OWN_PROGRAM = ("etcd", "gateway")
 DEFAULT_CACHE_DIR = "/var/cache/gpufleet/hf"
@@ -184,6 +187,105 @@ def _not_secret(name: str, where: str) -> None:
             "and let the gateway hold the API key (gpufleet_api_key_file)")
 
 
+def _compact(value):
+    """A dataclass's JSON (asdict) with the fields it does not have (None) left out."""
+    if isinstance(value, dict):
+        return {k: _compact(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_compact(v) for v in value]
+    return value
+
+
+@dataclass
+class RouterCall:
+    """A call to a pool's router (on `host`, at loopback) about one worker. In `url`,
+    {id} is the worker's id in the router's GET /workers and {url} its URL (quoted), as
+    the router names it; `body` is JSON."""
+
+    host: str
+    method: str
+    url: str
+    body: dict = field(default_factory=dict)
+
+
+@dataclass
+class PoolRouter:
+    """One router of a worker's pool: where its unit runs, how to wait for it, and where
+    it lists its workers."""
+
+    host: str
+    unit: str
+    readiness: Readiness
+    workers_url: str
+
+
+@dataclass
+class PoolMove:
+    """How a rolling restart moves a worker out of its routers' pools and back (the
+    gpufleet_pool module): each router's `leave` call, then, once the worker serves
+    again, each router's `rejoin` call where the router takes a worker back through its
+    API, else every router restarted in turn. `url` and `type` are the worker as its
+    routers name it."""
+
+    url: str
+    type: str
+    leave: list[RouterCall]
+    routers: list[PoolRouter]
+    rejoin: list[RouterCall] | None = None
+
+
+@dataclass
+class PoolDrop:
+    """A router's workers that the plan no longer gives it leave its pool before they stop
+    (the gpufleet_pool module): `keep` names the workers the plan gives it, as the router
+    names them; `leave` is the call for each other worker it lists."""
+
+    workers_url: str
+    keep: list[str]
+    leave: RouterCall
+
+
+@dataclass
+class Readiness:
+    """How to wait for a process and how a deploy or fab restart moves it. `url` answers
+    200 once it serves (absent: a rank > 0 of a multi-node engine, whose `process` is the
+    rank 0 that answers for it); `generate_url` takes one real generation; `rolling`: a
+    deploy that changes it restarts it in turn with the others of its kind; `pool` (a
+    worker of a pool its routers move), `rejoin_s` (one its router's health check takes
+    back by itself, after that many seconds) and `drop` (a router) as above."""
+
+    url: str | None = None
+    timeout_s: int = 300
+    generate_url: str | None = None
+    models_url: str | None = None
+    served_name: str | None = None
+    process: str | None = None
+    rolling: bool = False
+    rejoin_s: int | None = None
+    pool: PoolMove | None = None
+    drop: PoolDrop | None = None
+
+    def to_json(self) -> dict:
+        return _compact(asdict(self))
+
+
+@dataclass
+class HealthCheck:
+    """What the scheduled health checker checks of a process (roles/health adds only its
+    thresholds): `url` answers 200 while it serves, `generate_url` takes one real
+    generation of `served_name`, `grace_s` is its start-up window, `depends_on` the units
+    of its host it needs serving (their failure is not counted against it), and
+    `host_services`: it also needs the host services the plan requires (the fabric
+    manager, IMEX)."""
+
+    url: str | None
+    generate_url: str | None
+    served_name: str | None
+    grace_s: int
+    depends_on: list[str]
+    host_services: bool = False
+
+
 @dataclass
 class Process:
     name: str
@@ -196,13 +298,14 @@ class Process:
     ports: dict[str, int]
     gpus: list[int]
     order: int
-    readiness: dict
+    readiness: Readiness = field(default_factory=Readiness)
     node_rank: int = 0
     bind: str = "0.0.0.0"  # address the process listens on (plan._bind)
     args: dict[str, Any] = field(default_factory=dict, repr=False)
     # image runtime: what the container gets (plan._container); None: runs from the venv
     container: dict | None = None
     front: bool = False  # clients talk to it: the endpoint's process (plan._front, the gateway)
+    health: HealthCheck | None = None  # plan._health
 
     @property
     def is_engine(self) -> bool:
@@ -221,6 +324,12 @@ class Process:
         return self.role not in OWN_PROGRAM
 
     @property
+    def rolled(self) -> bool:
+        """fab restart restarts it unless asked for its role: every process but the
+        gateway (nginx holds the clients' connections; a routers' restart needs none of it)."""
+        return self.role != "gateway"
+
+    @property
     def command(self) -> str:
         return shlex.join(self.argv)
 
@@ -228,8 +337,9 @@ class Process:
         out = asdict(self)
         for private in ("args", "address", "bind"):
             out.pop(private)
+        out["readiness"] = self.readiness.to_json()
         out.update(is_engine=self.is_engine, reads_ucx=self.reads_ucx,
-                   engine_venv=self.engine_venv)
+                   engine_venv=self.engine_venv, rolled=self.rolled)
         return out
 
 

@@ -33,12 +33,18 @@ from .model import (  # noqa: F401 (the planner's public names, as before the mo
     WEIGHT_SHARE,
     EngineReq,
     GpuReq,
+    HealthCheck,
     HostPlan,
     Overrides,
     Plan,
     PlanError,
+    PoolDrop,
+    PoolMove,
+    PoolRouter,
     Problem,
     Process,
+    Readiness,
+    RouterCall,
     image_repository,
 )
 from .overrides import managed, pinned
@@ -538,7 +544,7 @@ def _place_one(target, topology, hardware, inventory, ov: Overrides,
             processes.append(Process(
                 name=name, role=spec.role, host=host.name, address=host.address, argv=[],
                 env={}, unit="", ports={n: v + 100 * shift for n, v in ports.items()},
-                gpus=gpus, order=START_ORDER[spec.role], readiness={}, node_rank=rank))
+                gpus=gpus, order=START_ORDER[spec.role], node_rank=rank))
     for p in processes:
         p.unit = f"gpufleet-{p.name}.service"
         p.bind = _bind(p, processes, ov.pooled)
@@ -666,6 +672,8 @@ def _render(processes, roles, target, model, draft, engine, catalog, cache, ov,
         p.argv = prefix + [tok for flag, value in p.args.items()
                            for tok in flag_tokens(flag, value)]
         p.readiness = _readiness(p, target, model)
+    for p in processes:
+        p.health = _health(p, [q for q in processes if q.host == p.host], model)
     routers = [p for p in processes if p.role == "router"]
     # a pool worker's way back after a rolling restart: moved by the restart through a
     # router that takes it back through its API, or several behind the gateway (the
@@ -678,26 +686,26 @@ def _render(processes, roles, target, model, draft, engine, catalog, cache, ov,
         # workers, and a pool's routers where there are several (a new worker count
         # changes the routers' flags)
         if len(pools.get(p.role, [])) > 1 or (p.role == "router" and len(routers) > 1):
-            p.readiness["rolling"] = True
+            p.readiness.rolling = True
         if len(pools.get(p.role, [])) > 1:
             if moved:
-                p.readiness["pool"] = _pool_moves(p, routers, engine)
+                p.readiness.pool = _pool_move(p, routers, engine)
             elif engine.pool_rejoin_s:
-                p.readiness["rejoin_s"] = engine.pool_rejoin_s
+                p.readiness.rejoin_s = engine.pool_rejoin_s
         if p.role == "router" and engine.pool_leave:
             # a worker this router lists that the plan no longer has (a lower count, a host
             # that left) leaves its pool before it stops (playbooks/serve.yml)
-            p.readiness["drop"] = {
-                "workers_url": _router_url(p, "/workers"),
+            p.readiness.drop = PoolDrop(
+                workers_url=_router_url(p, "/workers"),
                 # a worker beside it by either address: one whose bind changes stays
-                "keep": sorted({f"http://{a}:{w.ports['http']}" for role in ENGINE_ROLES
-                                for w in pools[role] for a in ({w.address, "127.0.0.1"}
-                                if w.host == p.host else {w.address})}),
-                "leave": {"method": engine.pool_leave.method,
-                          "url": _router_url(p, engine.pool_leave.path)}}
+                keep=sorted({f"http://{a}:{w.ports['http']}" for role in ENGINE_ROLES
+                             for w in pools[role] for a in ({w.address, "127.0.0.1"}
+                             if w.host == p.host else {w.address})}),
+                leave=RouterCall(host=p.host, method=engine.pool_leave.method,
+                                 url=_router_url(p, engine.pool_leave.path)))
 
 
-def _pool_moves(p: Process, routers: list[Process], engine: cat.Engine) -> dict:
+def _pool_move(p: Process, routers: list[Process], engine: cat.Engine) -> PoolMove:
     """How a rolling restart moves a worker out of its routers' pools and back: each
     router's call that takes it out (the worker named as in the router's flags; an {id}
     left in the url is its id in the router's GET /workers), then each router's call
@@ -707,24 +715,20 @@ def _pool_moves(p: Process, routers: list[Process], engine: cat.Engine) -> dict:
     assert all(_ns(p, r).url == url for r in routers)  # the routers share a host
     kind = ROUTER_TYPES.get(p.role, p.role)
 
-    def call(c: cat.PoolCall, r: Process) -> dict:
+    def call(c: cat.PoolCall, r: Process) -> RouterCall:
         body = {key: url if v == "url" else kind if v == "role"
                 else p.ports[v.removeprefix("port:")]
                 for key, v in c.body.items()
                 if not v.startswith("port:") or v.removeprefix("port:") in p.ports}
-        return {"host": r.host, "method": c.method, "body": body,
-                "url": _router_url(r, c.path.format(url=quote(url, safe=""), id="{id}"))}
+        return RouterCall(host=r.host, method=c.method, body=body,
+                          url=_router_url(r, c.path.format(url=quote(url, safe=""), id="{id}")))
 
-    moves = {
-        "url": url,
-        "type": kind,
-        "leave": [call(engine.pool_leave, r) for r in routers],
-        "routers": [{"host": r.host, "unit": r.unit, "readiness": r.readiness,
-                     "workers_url": _router_url(r, "/workers")} for r in routers],
-    }
-    if engine.pool_rejoin:
-        moves["rejoin"] = [call(engine.pool_rejoin, r) for r in routers]
-    return moves
+    return PoolMove(
+        url=url, type=kind,
+        leave=[call(engine.pool_leave, r) for r in routers],
+        routers=[PoolRouter(host=r.host, unit=r.unit, readiness=r.readiness,
+                            workers_url=_router_url(r, "/workers")) for r in routers],
+        rejoin=[call(engine.pool_rejoin, r) for r in routers] if engine.pool_rejoin else None)
 
 
 def _loopback(router: Process) -> str:
@@ -738,34 +742,53 @@ def _router_url(router: Process, path: str) -> str:
     return f"http://{_loopback(router)}{path}"
 
 
-def _readiness(p: Process, target, model) -> dict:
-    host = "127.0.0.1" if p.bind == "0.0.0.0" else p.bind
+def _local(p: Process, port: str = "http") -> str:
+    """Where its own host reaches a process's port (http://address:port)."""
+    return f"http://{'127.0.0.1' if p.bind == '0.0.0.0' else p.bind}:{p.ports[port]}"
+
+
+def _health(p: Process, beside: list[Process], model) -> HealthCheck:
+    """The health checker's checks of a process, from its readiness and the processes
+    beside it on its host: a router generates through the OpenAI completions route (the
+    deploy waits for its health only); each depends on what it needs serving there."""
+    units = {role: [q.unit for q in beside if q.role in roles]
+             for role, roles in (("engine", ENGINE_ROLES), ("etcd", ("etcd",)),
+                                 ("router", ("router",)))}
+    generate = p.readiness.generate_url or (
+        f"{_local(p)}/v1/completions" if p.role == "router" else None)
+    depends_on = {"router": units["engine"] + units["etcd"],
+                  "gateway": units["router"] or units["engine"]}.get(
+        p.role, units["etcd"] if p.is_engine else [])
+    return HealthCheck(url=p.readiness.url, generate_url=generate,
+                       served_name=model.served_name if generate else None,
+                       grace_s=p.readiness.timeout_s, depends_on=depends_on,
+                       host_services=p.is_engine)
+
+
+def _readiness(p: Process, target, model) -> Readiness:
     if p.role == "etcd":
-        return {"url": f"http://{p.address}:{p.ports['client']}/health",
-                "timeout_s": ROUTER_TIMEOUT_S}
+        return Readiness(url=f"http://{p.address}:{p.ports['client']}/health",
+                         timeout_s=ROUTER_TIMEOUT_S)
     if p.role == "gateway":
         # /health passes the gateway without a key to the process behind it
-        return {"url": f"http://{p.bind}:{p.ports['http']}/health",
-                "timeout_s": ROUTER_TIMEOUT_S}
+        return Readiness(url=f"http://{p.bind}:{p.ports['http']}/health",
+                         timeout_s=ROUTER_TIMEOUT_S)
     if p.role == "router":
-        return {"url": f"http://{host}:{p.ports['http']}/health",
-                "models_url": f"http://{host}:{p.ports['http']}/v1/models",
-                "served_name": model.served_name, "timeout_s": ROUTER_TIMEOUT_S}
+        return Readiness(url=f"{_local(p)}/health", models_url=f"{_local(p)}/v1/models",
+                         served_name=model.served_name, timeout_s=ROUTER_TIMEOUT_S)
     if target.engine == "dynamo":
-        return {"url": f"http://{host}:{p.ports['system']}/health",
-                "timeout_s": ENGINE_TIMEOUT_S}
+        return Readiness(url=f"{_local(p, 'system')}/health",
+                         timeout_s=ENGINE_TIMEOUT_S)
     if target.engine == "sglang" and p.node_rank > 0:
         # ranks > 0 serve no HTTP; their readiness is rank 0 answering
-        return {"process": "worker-0", "timeout_s": ENGINE_TIMEOUT_S}
-    base = f"http://{host}:{p.ports['http']}"
-    out = {"url": f"{base}/health", "timeout_s": ENGINE_TIMEOUT_S,
-           "generate_url": f"{base}/v1/completions", "served_name": model.served_name}
-    if target.engine == "sglang":
-        out["generate_url"] = f"{base}/health_generate"
-    if p.role == "prefill" or p.role == "decode":
-        # a PD pool only generates together with its peer: the router's check covers it
-        out.pop("generate_url")
-    return out
+        return Readiness(process="worker-0", timeout_s=ENGINE_TIMEOUT_S)
+    base = _local(p)
+    generate = f"{base}/health_generate" if target.engine == "sglang" else \
+        f"{base}/v1/completions"
+    # a PD pool only generates together with its peer: the router's check covers it
+    return Readiness(url=f"{base}/health", timeout_s=ENGINE_TIMEOUT_S,
+                     generate_url=None if p.role in ("prefill", "decode") else generate,
+                     served_name=model.served_name)
 
 
 def _front(processes: list[Process]) -> Process:
@@ -780,7 +803,7 @@ def _gateway(front: Process) -> Process:
     return Process(
         name="gateway", role="gateway", host=front.host, address=front.address, argv=[],
         env={}, unit="gpufleet-gateway.service", ports={"http": front.ports["http"]},
-        gpus=[], order=START_ORDER["gateway"], readiness={}, bind=front.address)
+        gpus=[], order=START_ORDER["gateway"], bind=front.address)
 
 
 def _api(ov: Overrides, inventory, processes: list[Process]) -> dict:

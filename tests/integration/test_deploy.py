@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import time
 
@@ -227,6 +228,46 @@ def test_acceptance_across_the_two_hosts_over_their_hcas(lab):
     (named,) = [c["detail"] for c in hosts["lab2"]["checks"]
                 if c["kind"] == "hca" and c["verdict"] == "FAIL"]
     assert named.startswith("mlx5_3 port 1 at 100 Gb/s, the others at 400")
+
+
+def test_fab_reads_what_the_plays_publish_not_their_task_names(lab, tmp_path):
+    """fab status, health and acceptance read each host's published result (set_stats):
+    the project copied with every play and task of their playbooks renamed answers alike."""
+    copy = tmp_path / "renamed"
+    shutil.copytree(ROOT, copy, ignore=shutil.ignore_patterns(
+        ".git", ".venv", "__pycache__", "*.egg-info", ".ruff_cache"))
+    for book in ("plan", "status", "health_report", "acceptance"):
+        path = copy / "playbooks" / f"{book}.yml"
+        text, renamed = re.subn(r"^(\s*- name: )([\"']?)", r"\1\2Renamed ", path.read_text(),
+                                flags=re.M)
+        assert renamed > 1, path
+        path.write_text(text)
+
+    def answers(root, *args):
+        proc = subprocess.run([str(BIN / "fab"), "-r", str(root), *args, "--target",
+                               "h200-disagg", "--format", "json"], cwd=ROOT,
+                              capture_output=True, text=True, timeout=600, check=False)
+        return proc.returncode, json.loads(proc.stdout or "null")
+
+    def seen(args, out):
+        if args[0] == "status":
+            return sorted((u["host"], u["unit"], u["active"], u["ready"]) for u in out["units"])
+        return {h: (r.get("healthy", r.get("passed")), sorted(c.get("kind", c.get("name", ""))
+                                                             for c in r["checks"]))
+                for h, r in out["hosts"].items()}
+
+    for args in (("status",), ("health",),
+                 ("acceptance", "--while-serving", "--gpus", "0")):
+        rc, original = answers(ROOT, *args)
+        assert rc == 0 and original, (args, original)
+        renamed_rc, renamed = answers(copy, *args)
+        assert (renamed_rc, seen(args, renamed)) == (rc, seen(args, original)), args
+    # the copy's playbooks are what ran: without their published result, fab status has
+    # no units and names the hosts that reported nothing
+    status = copy / "playbooks" / "status.yml"
+    status.write_text(status.read_text().replace("gpufleet_report:", "something_else:"))
+    rc, out = answers(copy, "status")
+    assert (rc, out["units"], out["unreachable"]) == (1, [], ["lab1", "lab2"]), out
 
 
 def test_teardown_leaves_the_hosts_clean(lab):

@@ -12,19 +12,23 @@ import pytest
 import yaml
 
 from gpufleet import inventory
-from gpufleet.ansible_plugins.filter.health_config import OPTIONS, health_config
+from gpufleet.ansible_plugins.filter.health_config import health_config
+from gpufleet.ansible_plugins.lookup.gpufleet_role_inputs import options as spec_options
 from gpufleet.model import host_slices
 from gpufleet.plan import make_plan
 
 ROLE = Path(__file__).resolve().parents[2] / "roles" / "health"
 DEFAULTS = yaml.safe_load((ROLE / "defaults" / "main.yml").read_text())
-SETTINGS = {name: DEFAULTS[f"health_{name}"] for name in OPTIONS if name != "fabric_external"}
+# what gpufleet_role_options hands the filter: every health_* setting the argument spec
+# declares, without the prefix, at its default
+SETTINGS = {name.removeprefix("health_"): DEFAULTS[name] for name in spec_options(ROLE)
+            if name.startswith("health_")}
 FM = "nvidia-fabricmanager.service"
 
 
 def config(plan, host, fabric_external=False, **changed):
     return health_config(host_slices(plan.to_json() if hasattr(plan, "to_json") else plan)[host],
-                         **dict(SETTINGS, fabric_external=fabric_external, **changed))
+                         dict(SETTINGS, **changed), fabric_external)
 
 
 def engine(name, port, grace=3600, depends_on=(FM,)):
@@ -150,6 +154,10 @@ def test_a_host_without_engines_or_gpus_checks_no_cache_and_no_gpus():
     plan = make_plan("h200-disagg").to_json()
     plan["processes"] = [p for p in plan["processes"]
                          if not (p["host"] == "prefill-1" and p["role"] == "prefill")]
+    for p in plan["processes"]:  # as the plan gives such a host: nothing depends on it
+        deps = p["health"]["depends_on"]
+        if "gpufleet-prefill.service" in deps:
+            deps.remove("gpufleet-prefill.service")
     plan["hosts"]["prefill-1"]["gpu"]["used"] = []
     cfg = config(plan, "prefill-1")
     assert cfg["cache"] is None
@@ -160,21 +168,23 @@ def test_a_host_without_engines_or_gpus_checks_no_cache_and_no_gpus():
 
 def test_wrong_calls_name_the_fix():
     plan = make_plan("h200-pd-1node")
-    options = dict(SETTINGS, fabric_external=False, colour="blue")
+    options = dict(SETTINGS)
     del options["textfile"]
-    with pytest.raises(ValueError, match=r"missing options \['textfile'\], unknown \['colour'\]"):
-        health_config(host_slices(plan.to_json())["workers-1"], **options)
+    with pytest.raises(ValueError, match=r"no health_textfile among the settings; pass "
+                                         r"lookup\('gpufleet_role_options'"):
+        health_config(host_slices(plan.to_json())["workers-1"], options)
     with pytest.raises(ValueError, match="health_restart_enabled must be true or false"):
         config(plan, "workers-1", restart_enabled="maybe")
     with pytest.raises(ValueError, match="slice of the plan .* Fix: pass gpufleet_host"):
-        health_config(plan.to_json(), **dict(SETTINGS, fabric_external=False))
+        health_config(plan.to_json(), SETTINGS)
 
 
-def test_the_role_passes_exactly_the_filters_options():
+def test_the_role_hands_the_filter_its_declared_settings():
+    """One list of the role's settings, its argument spec: the task passes them all through
+    the lookup, and each has its default."""
     tasks = yaml.safe_load((ROLE / "tasks" / "install.yml").read_text())
-    (task,) = [t for t in tasks if "__health_config_options" in t.get("vars", {})]
-    options = task["vars"]["__health_config_options"]
-    assert tuple(options) == OPTIONS
-    for name, value in options.items():
-        if name != "fabric_external":
-            assert value == "{{ health_" + name + " }}"
+    (task,) = [t for t in tasks if "gpufleet_health_config" in str(t)]
+    assert "gpufleet_health_config(lookup('gpufleet_role_options', prefix='health_')" in \
+        task["ansible.builtin.copy"]["content"]
+    declared = {n for n in spec_options(ROLE) if n.startswith("health_")}
+    assert declared == {n for n in DEFAULTS if n.startswith("health_")}

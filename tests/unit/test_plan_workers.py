@@ -11,6 +11,11 @@ from gpufleet.model import PlanError
 from gpufleet.plan import make_plan
 
 
+def ready(p) -> dict:
+    """A process's readiness as the plan's JSON gives it to the hosts."""
+    return p.to_json()["readiness"]
+
+
 def hosts(**groups: int) -> inv_mod.Inventory:
     members, all_hosts = {}, {}
     for group, count in groups.items():
@@ -65,10 +70,10 @@ def test_vllm_two_prefill_two_decode_behind_one_router():
     assert plan.api["routers"] == ["127.0.0.1:8000", "127.0.0.1:8100"]
     # a rolling restart takes each worker out of both routers by the name they know it by
     decode1 = next(p for p in plan.engines if p.name == "decode-1")
-    assert [m["url"] for m in decode1.readiness["pool"]["leave"]] == [
+    assert [m["url"] for m in ready(decode1)["pool"]["leave"]] == [
         f"http://127.0.0.1:{port}/remove_worker?url=http%3A%2F%2F10.9.1.2%3A8002"
         for port in (8000, 8100)]
-    assert [r["unit"] for r in decode1.readiness["pool"]["routers"]] == [
+    assert [r["unit"] for r in ready(decode1)["pool"]["routers"]] == [
         "gpufleet-router.service", "gpufleet-router-1.service"]
     assert plan.endpoints == [plan.endpoint] == ["http://10.9.0.1:8000/v1"]
     # KV moves between hosts now: both need RDMA, the engines listen on their address
@@ -116,7 +121,7 @@ def test_sglang_pd_router_lists_each_prefill_with_its_bootstrap_port():
     # two routers behind the gateway, each of which a rolling restart asks to take a
     # worker out (by its id in its GET /workers) and back (a prefill worker with its
     # bootstrap port, as in the flags)
-    moves = {p.name: p.readiness["pool"] for p in plan.engines}
+    moves = {p.name: ready(p)["pool"] for p in plan.engines}
     urls = ["http://127.0.0.1:8000", "http://127.0.0.1:8100"]
     assert moves["prefill-1"] == {
         "url": "http://10.9.1.2:30000", "type": "prefill",
@@ -125,13 +130,13 @@ def test_sglang_pd_router_lists_each_prefill_with_its_bootstrap_port():
         "rejoin": [{"host": "prefill-1", "method": "POST", "url": f"{url}/workers",
                     "body": {"url": "http://10.9.1.2:30000", "worker_type": "prefill",
                              "bootstrap_port": 8998}} for url in urls],
-        "routers": [{"host": "prefill-1", "unit": r.unit, "readiness": r.readiness,
+        "routers": [{"host": "prefill-1", "unit": r.unit, "readiness": ready(r),
                      "workers_url": f"{url}/workers"}
                     for r, url in zip(routers, urls, strict=True)]}
     assert moves["decode"]["rejoin"][0]["body"] == {"url": "http://10.9.2.1:30000",
                                                     "worker_type": "decode"}
     # moved by the restart itself: no wait for the health check
-    assert all("rejoin_s" not in p.readiness for p in plan.engines)
+    assert all("rejoin_s" not in ready(p) for p in plan.engines)
 
 
 def test_a_pool_with_one_router_that_cannot_take_a_worker_back_waits_for_its_health_check():
@@ -140,7 +145,7 @@ def test_a_pool_with_one_router_that_cannot_take_a_worker_back_waits_for_its_hea
     plan = make_plan("h200-pd-1node", hosts(workers=2),
                      {"workers": {"prefill": 2, "decode": 2}, "api_key": False})
     assert len(plan.by_role("router")) == 1
-    assert all("pool" not in p.readiness and p.readiness["rejoin_s"] == 6 for p in plan.engines)
+    assert all("pool" not in ready(p) and ready(p)["rejoin_s"] == 6 for p in plan.engines)
 
 
 def test_dynamo_workers_are_found_by_discovery_not_listed():
@@ -151,23 +156,23 @@ def test_dynamo_workers_are_found_by_discovery_not_listed():
     assert "--router-mode" in router.argv and "--prefill" not in router.argv
     # a worker leaves the frontend's pool by itself as it stops (Dynamo unregisters it
     # from discovery on SIGTERM): nothing to move, but restarted in turn all the same
-    assert all(p.readiness.get("rolling") is True and "pool" not in p.readiness
-               and "rejoin_s" not in p.readiness for p in plan.engines)
+    assert all(ready(p).get("rolling") is True and "pool" not in ready(p)
+               and "rejoin_s" not in ready(p) for p in plan.engines)
 
 
 def test_only_a_pool_of_several_workers_is_restarted_in_turn():
     plan = make_plan("h200-pd-1node", hosts(workers=2), {"workers": {"prefill": 1, "decode": 2}})
-    assert {p.name: p.readiness.get("rolling", False) for p in plan.processes
+    assert {p.name: ready(p).get("rolling", False) for p in plan.processes
             if p.role != "gateway"} == {"prefill": False, "decode": True, "decode-1": True,
                                         "router": True, "router-1": True}
     # SGLang's two routers too (a new count changes their flags); one without the gateway
     # (no API key) restarts where it is, there is no other to send to meanwhile
     plan = make_plan("sglang-h200-pd", hosts(prefill=1, decode=2), {"workers": {"decode": 2}})
-    assert [r.readiness.get("rolling") for r in plan.by_role("router")] == [True, True]
+    assert [ready(r).get("rolling") for r in plan.by_role("router")] == [True, True]
     plan = make_plan("sglang-h200-pd", hosts(prefill=1, decode=2),
                      {"workers": {"decode": 2}, "api_key": False})
-    assert "rolling" not in plan.by_role("router")[0].readiness
-    assert not any("rolling" in p.readiness for p in make_plan(
+    assert not ready(plan.by_role("router")[0])["rolling"]
+    assert not any(ready(p)["rolling"] for p in make_plan(
         "h200-pd-1node", hosts(workers=1)).processes)
 
 
@@ -190,7 +195,7 @@ def test_an_aggregated_target_puts_its_workers_behind_one_router(target, router_
     assert plan.endpoint == "http://10.9.0.1:8000/v1"
     # a pool over hosts: each worker on its host's internal address
     assert [w.bind for w in plan.by_role("worker")] == ["10.9.0.1", "10.9.1.2"]
-    assert all(w.readiness["rolling"] and w.readiness["pool"]["type"] == "regular"
+    assert all(ready(w)["rolling"] and ready(w)["pool"]["type"] == "regular"
                for w in plan.by_role("worker"))  # as the routers' GET /workers names it
     # one worker: the same form (routers, gateway, the worker's flags), so from 1 to N and
     # back only the routers' worker lists change
@@ -226,7 +231,7 @@ def test_dynamos_aggregated_pool_finds_its_workers_through_etcd():
         assert p.env["ETCD_ENDPOINTS"] == "http://10.9.0.1:2379" and "DYN_FILE_KV" not in p.env
     assert flag_values(router.argv, "--router-mode") == [["round-robin"]]  # 002's for H200
     assert [w.host for w in plan.by_role("worker")] == ["workers-1", "workers-2"]
-    assert all(w.readiness["rolling"] and "pool" not in w.readiness
+    assert all(ready(w)["rolling"] and "pool" not in ready(w)
                for w in plan.by_role("worker"))
 
 
@@ -276,66 +281,27 @@ def test_workers_and_replicas_together_are_refused():
                   {"workers": {"prefill": 2, "decode": 2}, "replicas": True})
 
 
-def test_a_worker_leaves_its_pool_only_while_another_of_its_kind_is_healthy():
-    """The rolling restart's check on each router's GET /workers (vllm-router 0.1.17's
-    shape): another healthy worker of the same kind, the worker itself not counted."""
-    from gpufleet.ansible_plugins.filter.gpufleet import pool_others
-
-    plan = make_plan("h200-pd-1node", hosts(workers=2), {"workers": {"prefill": 2, "decode": 2}})
-    pool = next(p for p in plan.engines if p.name == "decode").readiness["pool"]
-    listed = [{"url": "http://10.9.0.1:8002", "worker_type": "decode", "is_healthy": True},
-              {"url": "http://10.9.1.2:8001", "worker_type": "prefill", "is_healthy": True},
-              {"url": "http://10.9.1.2:8002", "worker_type": "decode", "is_healthy": False}]
-    assert pool["url"] == "http://10.9.0.1:8002"
-    assert pool_others(listed, pool) == 0
-    listed[2]["is_healthy"] = True
-    assert pool_others(listed, pool) == 1
-    assert pool_others(None, pool) == 0
-
-
-@pytest.mark.parametrize("target, inventory, call", [
-    ("h200-pd-1node", {"workers": 1},
-     ("POST", "http://127.0.0.1:8000/remove_worker?url=http%3A%2F%2F10.9.1.2%3A8001")),
-    ("sglang-h200-pd", {"prefill": 1, "decode": 1},
-     ("DELETE", "http://127.0.0.1:8000/workers/w7")),
+@pytest.mark.parametrize("target, inventory, leave", [
+    ("h200-pd-1node", {"workers": 1}, ("POST", "http://127.0.0.1:8000/remove_worker?url={url}")),
+    ("sglang-h200-pd", {"prefill": 1, "decode": 1}, ("DELETE", "http://127.0.0.1:8000/workers/{id}")),
 ])
-def test_a_worker_the_plan_drops_leaves_its_routers_pools_first(target, inventory, call):
+def test_a_worker_the_plan_drops_leaves_its_routers_pools_first(target, inventory, leave):
     """A lower count: each router's GET /workers against the workers the plan gives it;
-    what it lists beyond them is taken out through its API before the worker stops."""
-    from gpufleet.ansible_plugins.filter.gpufleet import pool_drops
-
+    what it lists beyond them is taken out through its API before the worker stops
+    (gpufleet_pool, tests/unit/test_pool_module.py)."""
     plan = make_plan(target, hosts(**inventory), {"workers": {"decode": 1}})
     router = plan.by_role("router")[0]
-    drop = router.readiness["drop"]
+    drop = ready(router)["drop"]
     assert drop["workers_url"] == "http://127.0.0.1:8000/workers"
+    assert (drop["leave"]["method"], drop["leave"]["url"]) == leave
+    assert drop["leave"]["host"] == router.host
     # the workers beside it by either address (a bind that changes drops none)
     assert drop["keep"] == sorted(
         f"http://{a}:{p.ports['http']}" for p in plan.engines
         for a in ((p.address, "127.0.0.1") if p.host == router.host else (p.address,)))
-    kept = [{"id": f"w{i}", "url": url} for i, url in enumerate(drop["keep"])]
-    gone = {"id": "w7", "url": "http://10.9.1.2:8001" if target == "h200-pd-1node"
-            else "http://10.9.2.2:30000"}
-    listed = [{"item": router.to_json(), "json": {"workers": [*kept, gone]}}]
-    assert [(c["method"], c["url"]) for c in pool_drops(listed)] == [call]
-    # a router that lists only what the plan keeps, or does not answer: nothing to do
-    assert pool_drops([{"item": router.to_json(), "json": {"workers": kept}}]) == []
-    assert pool_drops([{"item": router.to_json()}]) == []
-    # one that knows none of the plan's workers by these URLs is not emptied
-    assert pool_drops([{"item": router.to_json(), "json": {"workers": [gone]}}]) == []
     # Dynamo's frontend: the workers leave by themselves
-    assert "drop" not in make_plan("h200-disagg", hosts(prefill=1, decode=1)).by_role(
-        "router")[0].readiness
-
-
-def test_a_worker_is_found_by_its_url_in_the_routers_list():
-    """sglang-router 0.3.2's GET /workers gives each worker an id, which DELETE takes."""
-    from gpufleet.ansible_plugins.filter.gpufleet import pool_worker_id
-
-    listed = [{"id": "499881b1", "url": "http://127.0.0.1:9001", "worker_type": "prefill"},
-              {"id": "b8f5835c", "url": "http://127.0.0.1:9002", "worker_type": "decode"}]
-    assert pool_worker_id(listed, "http://127.0.0.1:9002") == "b8f5835c"
-    assert pool_worker_id(listed, "http://127.0.0.1:9003") == ""  # out already
-    assert pool_worker_id(None, "http://127.0.0.1:9002") == ""
+    assert "drop" not in ready(make_plan("h200-disagg", hosts(prefill=1, decode=1)).by_role(
+        "router")[0])
 
 
 def test_a_pool_call_body_names_only_what_the_plan_knows():

@@ -6,7 +6,6 @@ from __future__ import annotations
 import base64
 import re
 from pathlib import Path
-from urllib.parse import quote
 
 from gpufleet import inputs
 from gpufleet.acceptance import host_spec
@@ -50,35 +49,10 @@ def own_file(relative: str) -> str:
     return str(path)
 
 
-def pool_others(workers: list, pool: dict) -> int:
-    """How many healthy workers of a pool worker's kind a router's GET /workers lists
-    besides that worker (plan readiness.pool: its `type` and `url`)."""
-    return sum(1 for w in workers or [] if w.get("worker_type") == pool["type"]
-               and w.get("url") != pool["url"] and w.get("is_healthy"))
-
-
-def pool_worker_id(workers: list, url: str) -> str:
-    """The id a router's GET /workers gives the worker at url ('' where it lists none)."""
-    return next((str(w.get("id", "")) for w in workers or [] if w.get("url") == url), "")
-
-
-def pool_drops(listed: list) -> list:
-    """The calls that take out of each router's pool the workers it lists that the plan
-    no longer gives it: `listed` is a uri loop's results over routers (item: the router's
-    process with readiness.drop; json: its GET /workers). A router none of whose listed
-    workers the plan keeps is left alone: that is a router naming its workers otherwise,
-    not a pool to empty."""
-    calls = []
-    for result in listed or []:
-        drop = result["item"]["readiness"]["drop"]
-        workers = (result.get("json") or {}).get("workers") or []
-        gone = [w for w in workers if w.get("url") not in drop["keep"]]
-        if len(gone) == len(workers):
-            continue
-        calls += [{"method": drop["leave"]["method"], "worker": w["url"],
-                   "url": drop["leave"]["url"].replace("{url}", quote(w["url"], safe=""))
-                   .replace("{id}", str(w.get("id", "")))} for w in gone]
-    return calls
+def command_report(result: dict) -> dict:
+    """What fab reads of a command's registered result, published per host (set_stats
+    `gpufleet_report`, tasks.py _reports): its exit code, output and Ansible's message."""
+    return {key: (result or {}).get(key) for key in ("rc", "stdout", "stderr", "msg")}
 
 
 def unsteady(now: list, before: list) -> list:
@@ -145,8 +119,6 @@ class FilterModule:
             "gpufleet_checkpoint_commits": checkpoint_commits,
             "gpufleet_ref_path": ref_path,
             "gpufleet_acceptance_spec": host_spec,
-            "gpufleet_pool_others": pool_others,
-            "gpufleet_pool_worker_id": pool_worker_id,
-            "gpufleet_pool_drops": pool_drops,
             "gpufleet_unsteady": unsteady,
+            "gpufleet_command_report": command_report,
         }

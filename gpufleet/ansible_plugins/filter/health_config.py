@@ -3,22 +3,6 @@ host of the plan, from the plan and the health role's settings."""
 
 from __future__ import annotations
 
-ENGINE_ROLES = ("prefill", "decode", "worker")
-
-# the health role's variables, without their health_ prefix
-OPTIONS = (
-    "textfile", "state_file",
-    "restart_enabled", "restart_after_failures", "restart_cooldown_s", "restart_roles",
-    "host_services", "host_service_fix",
-    "http_timeout_s", "generate_timeout_s", "startup_grace_s",
-    "router_generate_path", "api_key_file", "cache_min_free_gib",
-    "gpu_timeout_s", "xid_fatal", "ecc_aggregate_max", "nvlink_error_delta_max",
-    "gpu_temperature_max_c",
-    "fabric_external", "ib_sysfs", "ib_min_rate_gbps", "ib_error_delta_max",
-    "watch_interval_s", "drain", "drain_after_runs", "drain_return_after_runs",
-    "drain_cooldown_s",
-)
-
 
 def _bool(name: str, value: object) -> bool:
     """A yes/no setting, as Ansible's bool filter reads it; anything else is refused."""
@@ -30,29 +14,26 @@ def _bool(name: str, value: object) -> bool:
     raise ValueError(f"health_{name} must be true or false, not {value!r}")
 
 
-def health_config(slice_: dict, **options) -> dict:
-    """The config for one host from its slice of the plan (gpufleet_host): its units with
-    their checks and restart policy, its host services, cache and GPUs. OPTIONS are the
-    health role's settings (OPTIONS names)."""
-    missing = [n for n in OPTIONS if n not in options]
-    unknown = sorted(set(options) - set(OPTIONS))
-    if missing or unknown:
-        raise ValueError(f"gpufleet_health_config: missing options {missing}, unknown {unknown}; "
-                         f"it takes exactly {', '.join(OPTIONS)}")
-    opt = options
-    restart_enabled = _bool("restart_enabled", opt["restart_enabled"])
-    fabric_external = _bool("fabric_external", opt["fabric_external"])
+def health_config(slice_: dict, options: dict, fabric_external: bool = False) -> dict:
+    """The config for one host from its slice of the plan (gpufleet_host), whose processes
+    carry their checks (`health`: URLs, start-up window, dependencies), and the health
+    role's settings (`options`: its health_* variables without the prefix, as the lookup
+    gpufleet_role_options reads them from its argument spec). `fabric_external`: the host's
+    NVLink fabric is managed elsewhere (the fabric manager is not this host's service)."""
     if not isinstance(slice_, dict) or "processes" not in slice_ or "name" not in slice_:
         raise ValueError("gpufleet_health_config takes a host's slice of the plan "
                          "(gpufleet_host, set by playbooks/plan.yml). Fix: pass gpufleet_host")
+
+    class Options(dict):
+        def __missing__(self, name):
+            raise ValueError(f"gpufleet_health_config: no health_{name} among the settings; "
+                             "pass lookup('gpufleet_role_options', prefix='health_')")
+
+    opt = Options(options or {})
+    restart_enabled = _bool("restart_enabled", opt["restart_enabled"])
+    fabric_external = _bool("fabric_external", fabric_external)
     facts, host = slice_, slice_["name"]
     processes = slice_["processes"]
-
-    def units_of(*roles):
-        return [p["unit"] for p in processes if p["role"] in roles]
-
-    engine_units, etcd_units, router_units = (
-        units_of(*ENGINE_ROLES), units_of("etcd"), units_of("router"))
     # the host services this host's plan needs; the fabric manager only where the host
     # owns its NVSwitches (else the GPUs' fabric state is checked instead)
     host_units = [service for need, service in opt["host_services"].items()
@@ -60,35 +41,20 @@ def health_config(slice_: dict, **options) -> dict:
 
     units = []
     for p in processes:
-        ready = p.get("readiness") or {}
-        generate = ready.get("generate_url")
-        if generate is None and p["role"] == "router" and "url" in ready:
-            base = ready["url"]
-            base = base[: -len("/health")] if base.endswith("/health") else base
-            generate = base + opt["router_generate_path"]
-        if p["role"] == "router":
-            depends_on = engine_units + etcd_units
-        elif p["role"] in ENGINE_ROLES:
-            depends_on = etcd_units + host_units
-        elif p["role"] == "gateway":
-            depends_on = router_units or engine_units
-        else:
-            depends_on = []
-        grace = opt["startup_grace_s"]
+        check, grace = p["health"], opt["startup_grace_s"]
         units.append({
             "unit": p["unit"],
             "name": p["name"],
             "role": p["role"],
-            "health_url": ready.get("url"),
-            "generate_url": generate,
-            "served_name": (ready.get("served_name", slice_["model"]["served_name"])
-                            if generate else None),
-            "api_key_file": (opt["api_key_file"] or None) if generate else None,
+            "health_url": check["url"],
+            "generate_url": check["generate_url"],
+            "served_name": check["served_name"],
+            "api_key_file": (opt["api_key_file"] or None) if check["generate_url"] else None,
             "health_timeout_s": int(opt["http_timeout_s"]),
             "generate_timeout_s": int(opt["generate_timeout_s"]),
-            "startup_grace_s": int(grace if grace is not None else ready.get("timeout_s", 600)),
+            "startup_grace_s": int(grace if grace is not None else check["grace_s"]),
             "restart": restart_enabled and p["role"] in opt["restart_roles"],
-            "depends_on": list(depends_on),
+            "depends_on": check["depends_on"] + (host_units if check["host_services"] else []),
         })
     for service in host_units:
         units.append({
@@ -115,7 +81,7 @@ def health_config(slice_: dict, **options) -> dict:
         },
         "units": units,
         "cache": ({"path": cache["path"], "min_free_gib": float(opt["cache_min_free_gib"])}
-                  if engine_units and cache else None),
+                  if cache and any(p["is_engine"] for p in processes) else None),
         "gpu": {
             "vendor": gpu.get("vendor") if uses_gpus else None,
             "count": gpu.get("count") if uses_gpus else None,

@@ -294,15 +294,16 @@ def endpoint(c, target=None, inventory=DEFAULT_INVENTORY, format="text"):
 
 
 @task(help={"target": PLAN_HELP["target"], "inventory": PLAN_HELP["inventory"],
-            "concurrency": "requests in flight (seed 000: 16)",
-            "prompts": "requests in all (seed 000: 64)",
-            "input_len": "prompt tokens (seed 000: 8192)",
-            "output_len": "generated tokens (seed 000: 1024)",
+            "concurrency": "requests in flight (the vLLM recipe's: 16)",
+            "prompts": "requests in all (the vLLM recipe's: 64)",
+            "input_len": "prompt tokens (the vLLM recipe's: 8192)",
+            "output_len": "generated tokens (the vLLM recipe's: 1024)",
             "out": "where the JSON goes (default bench/results/serving-TARGET.json)"})
 def bench(c, target=None, inventory=DEFAULT_INVENTORY, concurrency="16", prompts="64",
           input_len="8192", output_len="1024", out=None):
     # numbers as text, read by _number: invoke's own int() of a bad value is a traceback
-    """Load-test the deployed endpoint in seed 000's shape with AIPerf: TTFT, ITL, tok/s."""
+    """Load-test the deployed endpoint in the vLLM recipe's shape (seed 000) with AIPerf:
+    TTFT, ITL, tok/s."""
     from gpufleet import bench as bench_mod
 
     sizes = {name: _number(name.replace("_", "-"), value, low=1) for name, value in (

@@ -1,4 +1,4 @@
-"""`fab bench`: a serving load test against a deployment, in seed 000's shape.
+"""`fab bench`: a serving load test against a deployment, in the vLLM recipe's shape (seed 000).
 
 The client is AIPerf (NVIDIA's OpenAI-compatible load generator, from PyPI). It lives
 in its own virtual environment, .venv-bench, made on first use from

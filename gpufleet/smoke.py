@@ -1,9 +1,10 @@
 """Smoke test: a real OpenAI client against a deployment's /v1 endpoint.
 
-Every promise of the recipes (seeds 000, 002, 004) is one named check: the model is
-listed, "Reply with exactly: READY" answers, streaming, completions, reasoning kept out
-of content, tool calls parsed, JSON-schema output, SGLang's Anthropic /v1/messages,
-one image per prompt, and clear_thinking on a second turn. A failed check says what
+Every promise of the recipes (the vLLM, Dynamo and SGLang recipes, seeds 000, 002 and 004
+in docs/recipes.md) is one named check: the model is listed, "Reply with exactly: READY"
+answers, streaming, completions, reasoning kept out of content, tool calls parsed,
+JSON-schema output, SGLang's Anthropic /v1/messages, one image per prompt, and
+clear_thinking on a second turn. A failed check says what
 came back and the likely cause (usually a missing engine flag).
 
     python -m gpufleet.smoke --url http://host:8000/v1 --model zai-org/GLM-5.3-Flash \

@@ -1,5 +1,5 @@
 """`fab bench`'s pieces that need no deployment: the AIPerf config carries a reference to
-the key, never the key, and takes seed 000's shape; the summary and the table read
+the key, never the key, and takes the vLLM recipe's shape (seed 000); the summary and the table read
 AIPerf's export."""
 
 from __future__ import annotations

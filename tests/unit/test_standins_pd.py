@@ -1,6 +1,6 @@
 """Prefill/decode through the REAL routers (vllm-router 0.1.17, sglang-router 0.3.2).
 
-The engine command lines are seed 000's (vLLM) with the ports changed; a layout or MTP
+The engine command lines are the vLLM recipe's (seed 000) with the ports changed; a layout or MTP
 difference between prefill and decode must fail the routed request, naming the field.
 """
 

@@ -74,10 +74,10 @@ def test_a_real_run_publishes_and_fab_reads_it_whatever_the_task_is_called(name,
     cmds = {"ok": "echo '{\"healthy\": true, \"checks\": []}'",
             "sick": "sh -c 'echo \"{\\\"healthy\\\": false, \\\"checks\\\": []}\"; exit 1'",
             "crash": "python3 -c 'raise SystemExit(\"PermissionError: /dev/nvidia0\")'"}
+    extra = {"cmd": cmds, "ansible_python_interpreter": sys.executable}
     run = subprocess.run(
         [str(Path(sys.executable).with_name("ansible-playbook")), "-i", "ok,sick,crash,",
-         "-c", "local", str(book), "-e", json.dumps({"cmd": cmds,
-                                                      "ansible_python_interpreter": sys.executable})],
+         "-c", "local", str(book), "-e", json.dumps(extra)],
         env={**os.environ, "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"), **tasks.JSON_RESULT},
         capture_output=True, text=True, timeout=120, check=False)
     got = tasks._host_json(json.loads(run.stdout), "healthy")

@@ -353,6 +353,9 @@ class EngineReq:
     glibc_floor: str | None = None
     image: str | None = None  # image runtime: the reference the host pulls and runs
     registry_mirror: str | None = None
+    # where podman finds the mirror (host[:port][/path]) and whether it speaks plain http
+    registry_mirror_location: str | None = None
+    registry_mirror_insecure: bool = False
 
 
 @dataclass

@@ -16,7 +16,7 @@ import re
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import quote, urlsplit
 
 from pydantic import ValidationError
 
@@ -815,8 +815,10 @@ def _api(ov: Overrides, inventory, processes: list[Process]) -> dict:
             "key_file": _key_file(ov, inventory),
             "gateway_conf_dir": GATEWAY_CONF_DIR,
             "retries": GATEWAY_RETRIES if ov.pooled else 0,
-            "routers": [_loopback(p) for p in processes
-                        if p.role == "router"] if ov.pooled else []}
+            # what the gateway proxies to: a pool's routers (the first, then the others as
+            # its backups), else the process clients talk to, on loopback
+            "upstreams": [_loopback(p) for p in processes if p.role == "router"]
+            if ov.pooled else [_loopback(_front(processes))]}
 
 
 def _key_file(ov: Overrides, inventory) -> str:
@@ -930,6 +932,10 @@ def _containers(plan: Plan, image: cat.Image, ov: Overrides, catalog) -> None:
     for req in plan.hosts.values():
         req.engine.runtime, req.engine.image = "image", image.ref
         req.engine.registry_mirror = ov.registry_mirror
+        if ov.registry_mirror:
+            url = urlsplit(ov.registry_mirror)
+            req.engine.registry_mirror_location = url.netloc + url.path.rstrip("/")
+            req.engine.registry_mirror_insecure = url.scheme == "http"
     for p in plan.processes:
         if not p.engine_venv:
             continue

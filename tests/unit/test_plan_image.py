@@ -109,3 +109,15 @@ def test_every_catalog_image_names_its_source_and_its_overlay_exists():
             assert image.ref.split("/", 1)[0] in ("docker.io",), image.ref
             if image.sitecustomize:
                 assert (REPO / "gpufleet/host" / image.sitecustomize).is_file()
+
+
+@pytest.mark.parametrize("mirror, location, insecure", [
+    ("https://mirror.example:5000/base/", "mirror.example:5000/base", False),
+    ("http://10.0.0.5:5000", "10.0.0.5:5000", True),
+])
+def test_a_registry_mirror_reaches_podman_as_its_location(mirror, location, insecure):
+    """The plan parses the mirror's URL once; the podman role writes what it says."""
+    engine = make_plan("h200-pd-1node", None, {"runtime": "image", "registry_mirror": mirror}
+                       ).hosts["workers-1"].engine
+    assert (engine.registry_mirror, engine.registry_mirror_location,
+            engine.registry_mirror_insecure) == (mirror, location, insecure)

@@ -67,7 +67,7 @@ def test_vllm_two_prefill_two_decode_behind_one_router():
         assert r.host == "workers-1" and r.bind == "127.0.0.1"
         assert flag_values(r.argv, "--prometheus-port") == [[str(r.ports["metrics"])]]
     assert [p.role for p in plan.processes].count("gateway") == 1
-    assert plan.api["routers"] == ["127.0.0.1:8000", "127.0.0.1:8100"]
+    assert plan.api["upstreams"] == ["127.0.0.1:8000", "127.0.0.1:8100"]
     # a rolling restart takes each worker out of both routers by the name they know it by
     decode1 = next(p for p in plan.engines if p.name == "decode-1")
     assert [m["url"] for m in ready(decode1)["pool"]["leave"]] == [

@@ -26,6 +26,24 @@ options:
     default: ""
 """
 
+EXAMPLES = r"""
+# roles/serve: the key the gateway serves with (no_log: it is a secret).
+- name: The deployment's API key, read and checked, or made once
+  ansible.builtin.set_fact:
+    __serve_api_key: "{{ lookup('gpufleet_api_key', gpufleet_host.api.key_file) }}"
+  no_log: true
+
+# Where the controller has no key file (a new clone, another operator, a job runner's
+# fresh HOME), keep the key this gateway already serves with. __serve_key_on_host is the
+# gateway's api-key.conf, read with ansible.builtin.slurp.
+- name: Read and checked, or kept, or made once
+  ansible.builtin.set_fact:
+    __serve_api_key: >-
+      {{ lookup('gpufleet_api_key', gpufleet_host.api.key_file,
+                on_host=(__serve_key_on_host.content | default('') | b64decode)) }}
+  no_log: true
+"""
+
 RETURN = r"""
 _raw:
   description: the key

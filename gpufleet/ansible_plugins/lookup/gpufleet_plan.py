@@ -11,14 +11,107 @@ DOCUMENTATION = r"""
 name: gpufleet_plan
 short_description: compute the gpufleet deployment plan for this inventory
 description:
-  - Returns the plan (processes, host requirements, cache) that C(fab plan) prints.
-  - The target comes from the first term or the C(gpufleet_target) variable; overrides
-    from the C(gpufleet_with), C(gpufleet_args), C(gpufleet_env), C(gpufleet_ports),
-    C(gpufleet_model_revision), C(gpufleet_cache_dir) and C(gpufleet_hf_endpoint) variables.
+  - >-
+    Returns the plan (processes, host requirements, cache) that C(fab plan) prints, made by
+    the same planner from the inventory Ansible already parsed. A problem with the target,
+    the inventory or an override fails the play with the planner's message, before any
+    host is touched.
+  - >-
+    playbooks/plan.yml calls it where fab did not hand its own plan over
+    (C(gpufleet_plan_json)), so for a plain ansible-playbook run or an AWX job. fab reads
+    the same variables from the inventory and lays its command-line options on top.
+  - >-
+    The target is the first term, else the C(gpufleet_target) variable. fab's equivalent
+    is C(--target NAME).
+  - >-
+    The overrides below are read from the inventory where every host has the same value (a
+    variable of group C(all), say), else from the variables the play sees on the controller
+    (an extra variable given with C(-e), say).
+  - >-
+    C(gpufleet_with) is the list of options layered on the target (hicache, cp, layer-split,
+    dflash2, fp8-kv), or one comma-separated string. fab's C(--with hicache,cp) adds to it.
+  - >-
+    C(gpufleet_args) maps a role (etcd, worker, prefill, decode, router, or C(engines) for
+    every GPU engine) to command-line flags and their values, and null drops a flag. fab's
+    C(--set ROLE:--flag=VALUE) sets one flag on top of it and C(--unset ROLE:--flag) drops
+    one.
+  - >-
+    C(gpufleet_env) maps a role (or C(engines)) to environment variables of its units, and
+    null drops one. fab's C(--set ROLE:NAME=VALUE) and C(--unset ROLE:NAME) do the same for
+    one variable.
+  - >-
+    C(gpufleet_ports) maps a role to its named ports (for example C({router: {http: 8080}})),
+    changed everywhere the plan uses them. It has no command-line option.
+  - >-
+    C(gpufleet_gpus) maps a role to the GPU indices its processes run on (for example a
+    6/2 prefill/decode split of one node). It has no command-line option.
+  - >-
+    C(gpufleet_model_revision) is the checkpoint's branch, tag or commit in place of the
+    catalog's. It has no command-line option.
+  - >-
+    C(gpufleet_cache_dir) is the shared Hugging Face cache every serving host mounts
+    (default /var/cache/gpufleet/hf). It has no command-line option.
+  - >-
+    C(gpufleet_hf_endpoint) is the Hugging Face mirror (HF_ENDPOINT) the download uses. It
+    has no command-line option.
+  - >-
+    C(gpufleet_api_key) (default true) puts an nginx gateway that checks an API key in front
+    of the router. With false the endpoint serves without a key. It has no command-line
+    option.
+  - >-
+    C(gpufleet_api_key_file) is the key file on the controller, in place of
+    ~/.config/gpufleet/api-keys/DEPLOYMENT.key (under C($XDG_CONFIG_HOME) where it is set).
+    It has no command-line option.
+  - >-
+    C(gpufleet_replicas) (true) runs a single-node target on every host of its group, one
+    independent copy each with its own endpoint. It has no command-line option.
+  - >-
+    C(gpufleet_workers) maps an engine role to how many workers of it run behind the
+    target's one router (for example C({prefill: 2, decode: 2}) or C({worker: 4})). It has
+    no command-line option.
+  - >-
+    C(gpufleet_runtime) is the engine runtime, C(venv) or C(image) (default venv on NVIDIA
+    hosts and image on AMD hosts). fab's equivalent is C(--runtime image).
+  - >-
+    C(gpufleet_images) maps an engine to the image it runs from in place of the catalog's
+    (the image runtime), for example C({vllm: REGISTRY/REPO@sha256:...}). It has no
+    command-line option.
+  - >-
+    C(gpufleet_registry_mirror) is a registry that serves every image in place of its own
+    (an air-gapped site's mirror). It has no command-line option.
+  - >-
+    C(gpufleet_acknowledge) lists the recipe's pins (a target's C(pins)) that C(gpufleet_args),
+    C(gpufleet_env) or C(--set) may change, once the reason the refusal quotes was read. It
+    has no command-line option.
+  - >-
+    The planner also reads a few variables from the hosts' own variables alone, none of them
+    an override and none with a command-line option. C(gpufleet_deployment) names the
+    deployment on the controller (its API key file and its hosts record), by default the
+    inventory's own name. A host's C(gpufleet_hardware) is what it is, and a target for
+    other hardware is refused. A host's C(gpufleet_host_python) is its Python version, which
+    picks the engine environment's lock. A host's C(gpufleet_internal_address) (else its
+    C(ansible_host), else its name) is the address the other hosts reach it at.
 options:
   _terms:
     description: optional target name
     required: false
+"""
+
+EXAMPLES = r"""
+# playbooks/plan.yml: once per run, fab's plan where fab runs the play, else this lookup's.
+# For a plain run, the overrides come from the inventory or from extra variables, e.g.
+#   ansible-playbook site.yml -i inventories/h200 -e gpufleet_target=h200-pd-1node \
+#     -e '{"gpufleet_with": ["hicache"], "gpufleet_runtime": "image"}'
+- name: Compute the deployment plan (once per run)
+  ansible.builtin.set_fact:
+    gpufleet_plan: >-
+      {{ gpufleet_plan if groups['gpufleet_planned'] is defined
+         else gpufleet_plan_json if gpufleet_plan_json is defined
+         else lookup('gpufleet_plan') }}
+
+- name: The plan of a target named here, not the inventory's gpufleet_target
+  ansible.builtin.debug:
+    msg: "{{ lookup('gpufleet_plan', 'h200-pd-1node').processes | map(attribute='name') }}"
 """
 
 RETURN = r"""

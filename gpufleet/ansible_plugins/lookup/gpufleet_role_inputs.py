@@ -24,6 +24,14 @@ options:
     required: false
 """
 
+EXAMPLES = r"""
+# Inside a role: the digest its gpufleet_state check compares with the one it recorded when
+# it last converged (each role's tasks/main.yml passes it as gpufleet_state's digest).
+- name: This role's inputs, hashed
+  ansible.builtin.debug:
+    msg: "{{ lookup('gpufleet_role_inputs') }}"
+"""
+
 RETURN = r"""
 _raw:
   description: the hex digest

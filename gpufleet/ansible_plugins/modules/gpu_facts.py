@@ -66,20 +66,41 @@ attributes:
 """
 
 EXAMPLES = r"""
-- name: Gather GPU and RDMA facts
+# Preflight: everything in one round trip (GPUs, topology, NVLink, fabric manager, IMEX,
+# HCAs), plus the CPU architecture and apt's package lists. check_mode: false keeps the
+# facts fresh in a dry run too (the module changes nothing).
+- name: GPUs, fabric, HCAs, CPU architecture, apt's lists
   gpu_facts:
+    timeout: "{{ preflight_tool_timeout }}"
+  check_mode: false
 
-- name: Only the GPU inventory and the NVLink fabric
+# After the driver role changed packages: the device inventory alone, read by the next
+# task as ansible_facts.gpufleet_gpu (driver_version, kernel_module, persistence_mode).
+- name: GPU facts now
   gpu_facts:
-    collect: [gpu, fabric_manager]
+    collect: [gpu]
+    timeout: "{{ nvidia_driver_tool_timeout }}"
+  check_mode: false
 
-- name: Refuse a host without eight H200s
-  ansible.builtin.assert:
-    that:
-      - gpufleet_gpu.count == 8
-      - gpufleet_gpu.model == 'NVIDIA H200'
-      - gpufleet_gpu.memory_mib >= 143000
-    fail_msg: "{{ inventory_hostname }} has {{ gpufleet_gpu.count }} x {{ gpufleet_gpu.model }}"
+# The RDMA role's check: ansible_facts.gpufleet_ib.all_active says every HCA has an
+# Active port, .peermem_loaded that nvidia_peermem is loaded.
+- name: HCAs and modules now
+  gpu_facts:
+    collect: [ib]
+    timeout: "{{ rdma_tool_timeout }}"
+  check_mode: false
+
+# IMEX: poll until every peer of the NVLink domain is connected.
+- name: Every peer connected (nvidia-imex-ctl -N)
+  gpu_facts:
+    collect: [gpu, imex]
+    timeout: "{{ imex_tool_timeout }}"
+  register: __imex_facts
+  check_mode: false
+  until: __imex_facts.ansible_facts.gpufleet_gpu.imex.all_connected | default(false)
+  retries: "{{ (imex_connect_timeout | int / 5) | round(0, 'ceil') | int }}"
+  delay: 5
+  failed_when: false
 """
 
 RETURN = r"""
@@ -92,18 +113,23 @@ ansible_facts:
       description:
         - C(cpu_arch) (uname -m) and C(apt_package_lists) (how many package lists apt has;
           0 on a fresh image that cleaned them).
+      returned: always
       type: dict
+      sample:
+        cpu_arch: x86_64
+        apt_package_lists: 12
     gpufleet_gpu:
       description:
         - GPU facts. Keys are always present; unknown values are null.
-        - C(vendor) nvidia|amd|null, C(count), C(model), C(arch) (hopper, blackwell, cdna3,
-          cdna4), C(compute_capability) (NVIDIA, for example C(9.0)), C(gfx_target) (AMD, for
-          example C(gfx950)), C(memory_mib) (smallest GPU), C(driver_version),
+        - C(present) (a GPU was found), C(vendor) nvidia|amd|null, C(count), C(model), C(arch)
+          (hopper, blackwell, cdna3, cdna4), C(compute_capability) (NVIDIA, for example
+          C(9.0)), C(gfx_target) (AMD, for example C(gfx950)), C(memory_mib) (smallest GPU),
+          C(driver_version),
           C(cuda_version), C(rocm_version), C(kernel_module) (from /proc/driver/nvidia/version),
           C(persistence_mode), C(ecc_mode), C(mig_mode), C(ecc_errors), C(fabric) (state,
           status, clique_id, cluster_uuid, completed, ok (every GPU Completed and Success),
           supported), C(nvswitches) (device nodes and PCI functions of the NVSwitches this host
-          owns), C(fabric_manager) (where the NVLink fabric is managed: C(local) where the
+          owns), C(fabric_manager) (where the NVLink fabric is managed, C(local) where the
           host owns NVSwitches, C(external) where it sees none but the GPUs report a fabric
           state (a VM on a shared NVSwitch system, NVLink switch trays), C(none) without a
           fabric; null on AMD), C(topology) (gpus, nics,

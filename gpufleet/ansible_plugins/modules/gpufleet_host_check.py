@@ -52,23 +52,69 @@ attributes:
     support: full
 """
 
+EXAMPLES = r"""
+# Preflight, after gpu_facts: the host against its slice of the plan. The cache's free
+# space is measured where the cache is (or will be) and the plan's need is scaled down by
+# the share of its checkpoints the cache already holds complete, unless the operator set a
+# floor of their own (gpufleet_cache_min_free_gib, the preflight role's
+# preflight_cache_min_free_gib).
+- name: This host against the plan (check_host)
+  gpufleet_host_check:
+    check: host
+    requirements: "{{ gpufleet_host }}"
+    gpu: "{{ ansible_facts.gpufleet_gpu }}"
+    ib: "{{ ansible_facts.gpufleet_ib }}"
+    cpu_arch: "{{ ansible_facts.gpufleet_machine.cpu_arch }}"
+    cache_path: "{{ gpufleet_host.cache.path | default(omit) }}"
+    cache_min_free_gib: >-
+      {{ preflight_cache_min_free_gib if preflight_cache_min_free_gib | string | length > 0
+         else omit }}
+  register: __preflight_check
+  check_mode: false
+
+# After a preparation role, with fresh gpu_facts: what it set up is in place. The
+# caller asserts that __common_prepared.problems is empty and prints them otherwise.
+- name: What the fabric manager role set up (check_prepared)
+  gpufleet_host_check:
+    check: prepared
+    requirements: {fabric_manager: true}
+    gpu: "{{ ansible_facts.gpufleet_gpu }}"
+    ib: "{{ ansible_facts.gpufleet_ib }}"
+  register: __common_prepared
+  check_mode: false
+"""
+
 RETURN = r"""
 problems:
   description: One line per problem, each naming the value and the fix; empty when it fits.
-  returned: always
+  returned: success
   type: list
   elements: str
+  sample:
+    - "cache filesystem /var/cache/gpufleet/hf has 212.4 GiB free, the checkpoint needs
+      900.0 GiB. Fix: free space or point gpufleet_cache_dir at a larger shared filesystem"
 cache_free_gib:
-  description: Free GiB on the cache path's filesystem (C(check=host) with C(cache_path)).
-  returned: when measured
+  description: Free GiB on the cache path's filesystem.
+  returned: when C(check=host) and I(cache_path) is given
   type: float
+  sample: 212.4
 cache_missing_share:
-  description: Share of the plan's checkpoints not complete in the cache (complete = no room).
-  returned: when measured
+  description: >-
+    Share (0 to 1) of the plan's checkpoints not yet complete in the cache. A checkpoint
+    with a complete gpufleet manifest for its revision needs no room, so the plan's
+    C(cache.min_free_gib) is scaled by this share unless I(cache_min_free_gib) is given.
+  returned: when C(check=host) and I(cache_path) is given
   type: float
+  sample: 1.0
 cache_probe_path:
-  description: The existing directory that was measured.
-  returned: when measured
+  description: The existing directory that was measured (the cache path or its nearest
+    existing parent).
+  returned: when C(check=host) and I(cache_path) is given
+  type: str
+  sample: /var/cache
+msg:
+  description: Why the free space could not be measured (the module fails only then).
+  returned: failure
   type: str
 """
 

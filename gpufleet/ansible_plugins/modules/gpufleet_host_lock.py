@@ -24,6 +24,7 @@ options:
   state:
     description: held or released.
     type: str
+    choices: [held, released]
     default: held
   ttl_s:
     description: Seconds the lock holds without being taken again (a killed deploy's lock
@@ -34,6 +35,41 @@ options:
     description: The lock file.
     type: str
     default: /run/gpufleet/deploy.lock
+"""
+
+EXAMPLES = r"""
+# The first play of a deploy (playbooks/serve.yml) and of fab restart, on every planned
+# host before any unit changes. gpufleet_controller is user@controller, set by
+# playbooks/plan.yml.
+- name: One deploy at a time
+  gpufleet_host_lock:
+    holder: "{{ gpufleet_controller }}"
+    ttl_s: "{{ gpufleet_deploy_lock_ttl_s | default(3600) }}"
+
+# The last play, once every unit serves. A lock another holder took meanwhile is left alone.
+- name: Released
+  gpufleet_host_lock:
+    holder: "{{ gpufleet_controller }}"
+    state: released
+"""
+
+RETURN = r"""
+holder:
+  description: >-
+    The holder given, on success. When another holder's unexpired lock stops the module,
+    it fails and C(holder) is that lock as its file has it (holder, started and expires
+    in Unix seconds, and pid).
+  type: raw
+  returned: always
+  sample: ops@controller-1
+msg:
+  description: Who holds the host, since when and when the lock expires, and the fix.
+  type: str
+  returned: failure
+  sample: >-
+    another deploy holds this host: ops@controller-2 since 2025-06-01 09:12:44 UTC
+    (expires in 3412 s). Fix: wait for it to end; if it died, remove
+    /run/gpufleet/deploy.lock on this host
 """
 
 import json

@@ -17,15 +17,40 @@ options:
     required: true
 """
 
+EXAMPLES = r"""
+# Serve, before it starts the changed units of one start order: who holds the ports they
+# take. A changed unit of a later order that holds one (a pool's router moving to another
+# port, say) is stopped first, since it is restarted later in this run anyway.
+- name: Who holds the ports the changed units take
+  gpufleet_port_holders:
+    ports: >-
+      {{ __serve_procs | selectattr('order', 'equalto', serve_level)
+         | selectattr('unit', 'in', __serve_changed) | rejectattr('unit', 'in', __serve_roll)
+         | map(attribute='ports') | map('dict2items') | flatten | map(attribute='value')
+         | list }}
+  register: __serve_holders
+  when: not ansible_check_mode
+
+- name: Who listens on the prefill and decode workers' ports
+  gpufleet_port_holders:
+    ports: [8001, 8002]
+  register: __holders
+"""
+
 RETURN = r"""
 holders:
-  description: Port -> the units listening on it (empty where none, or not a unit).
+  description: >-
+    Each port given (as a string key) and the units whose processes listen on it, sorted.
+    The list is empty where nothing listens, or only processes outside any unit.
   type: dict
   returned: always
+  sample: {"8001": [gpufleet-prefill.service], "8002": []}
 units:
-  description: Every unit that holds one of the ports.
+  description: Every unit that holds one of the ports, sorted, each once.
   type: list
+  elements: str
   returned: always
+  sample: [gpufleet-prefill.service]
 """
 
 from ansible.module_utils.basic import AnsibleModule

@@ -6,7 +6,8 @@ DOCUMENTATION = r"""
 module: gpufleet_ready
 short_description: Wait until a unit's process answers its health endpoint and generates
 description:
-  - Polls the health URL until it answers 200, then (when given) sends one real one-token
+  - >-
+    Polls the health URL until it answers 200, then (when given) sends one real one-token
     generation, then proves the answer came from the unit: every socket listening where the
     URL points (its address, or all addresses, at its port) belongs to a process of the
     unit (its cgroup, or a child of one, as a container's processes are of conmon). Fails
@@ -43,11 +44,58 @@ options:
     default: 40
 """
 
+EXAMPLES = r"""
+# Serve, after it started or restarted a unit: its health endpoint, then one real token,
+# from the unit's own process. The role reports a failure itself, with the journal lines
+# the module returns, so failed_when is off here.
+- name: "Health and one token: {{ serve_proc.name }}"
+  gpufleet_ready:
+    unit: "{{ serve_proc.unit }}"
+    url: "{{ serve_proc.readiness.url }}"
+    generate_url: "{{ serve_proc.readiness.generate_url | default(omit) }}"
+    served_name: "{{ serve_proc.readiness.served_name | default(omit) }}"
+    timeout: "{{ serve_proc.readiness.timeout_s }}"
+    interval: "{{ serve_ready_delay }}"
+    journal_lines: "{{ serve_journal_lines }}"
+  register: __serve_ready
+  failed_when: false
+
+# fab restart, one unit at a time: it fails the play itself when the unit does not serve.
+# A rank above 0 of a multi-node engine has no URL (its rank 0 answers for it).
+- name: "Wait until it serves: {{ restart_one.unit }}"
+  gpufleet_ready:
+    unit: "{{ restart_one.unit }}"
+    url: "{{ restart_one.readiness.url }}"
+    generate_url: "{{ restart_one.readiness.generate_url | default(omit) }}"
+    served_name: "{{ restart_one.readiness.served_name | default(omit) }}"
+    timeout: "{{ restart_one.readiness.timeout_s }}"
+  when: restart_one.readiness.url is defined
+"""
+
 RETURN = r"""
 elapsed:
-  description: Seconds until ready.
+  description: Seconds until the unit served (health, then the generation where asked).
   type: float
-  returned: success
+  returned: success, not in check mode
+  sample: 184.2
+msg:
+  description: >-
+    In check mode, what it would wait for. On failure, what went wrong (the unit failed,
+    crashed or waits to restart, another process holds the port, or the time ran out).
+  type: str
+  returned: failure, or in check mode
+  sample: >-
+    gpufleet-decode.service did not answer health at http://127.0.0.1:8002/health
+    within 3600 s (last: 503)
+unit_state:
+  description: systemd's ActiveState, SubState, NRestarts and Result of the unit.
+  type: dict
+  returned: failure
+  sample: {ActiveState: failed, SubState: failed, NRestarts: "3", Result: exit-code}
+journal:
+  description: The unit's last I(journal_lines) journal lines (journalctl -o cat).
+  type: str
+  returned: failure
 """
 
 import json

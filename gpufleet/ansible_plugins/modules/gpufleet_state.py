@@ -32,6 +32,7 @@ options:
   state:
     description: check or record.
     type: str
+    choices: [check, record]
     default: check
   files:
     description: Files the role manages (absent ones recorded as absent).
@@ -79,21 +80,74 @@ options:
     default: /var/lib/gpufleet/state
 """
 
+EXAMPLES = r"""
+# The first task of a role: when its inputs hash to what it last converged with and
+# nothing it recorded drifted, the role has nothing to do (and its exported facts are
+# back). check_mode: false lets a dry run say what would change.
+- name: Converged, nothing drifted?
+  gpufleet_state:
+    role: rdma
+    digest: "{{ lookup('gpufleet_role_inputs') }}"
+    observed: "{{ __rdma_observed }}"
+  register: __rdma_state
+  check_mode: false
+
+# The role's last task once it converged (roles/common/tasks/record.yml): the digest
+# the check returned and what the role manages, as it is now.
+- name: "Record what converged: rdma"
+  gpufleet_state:
+    role: rdma
+    state: record
+    digest: "{{ __rdma_state.digest }}"
+    observed: "{{ __rdma_observed }}"
+    files: [/etc/modules-load.d/nvidia-peermem.conf]
+    packages: [rdma-core, ibverbs-utils, infiniband-diags]
+    facts: {gpufleet_rdma_hcas: "{{ gpufleet_rdma_hcas }}"}
+    dir: /var/lib/gpufleet/state
+  when: not ansible_check_mode
+
+- name: "Record what converged: health"
+  gpufleet_state:
+    role: health
+    state: record
+    digest: "{{ __health_state.digest }}"
+    files:
+      - /usr/local/lib/gpufleet/healthcheck.py
+      - /etc/systemd/system/gpufleet-health.service
+      - /etc/systemd/system/gpufleet-health.timer
+    units: [gpufleet-health.timer]
+    trees: [/etc/systemd/system/gpufleet-health.service.d]
+  when: not ansible_check_mode
+"""
+
 RETURN = r"""
 drifted:
   description: True when the role must run (no record, inputs changed, or the host differs).
+    Always false after C(record).
   type: bool
+  returned: always
 reasons:
   description: What differs, one line each (empty when nothing drifted).
   type: list
+  elements: str
+  returned: always
+  sample: ["inputs changed (plan, variables or the role)"]
 drift:
   description: >-
     The reasons by kind (record, inputs, observed, files, units, packages, venvs, trees,
-    pending).
+    pending), each a list of lines.
   type: dict
+  returned: with C(state=check)
+  sample: {units: [gpufleet-health.timer is inactive]}
 digest:
   description: The digest given (what C(record) must be given after the role converged).
   type: str
+  returned: always
+ansible_facts:
+  description: The facts the role exported when it last recorded (I(facts)), set again on
+    the host.
+  type: dict
+  returned: with C(state=check), when nothing drifted
 """
 
 import glob

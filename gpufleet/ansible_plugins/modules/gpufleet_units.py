@@ -24,19 +24,57 @@ options:
     default: /var/lib/gpufleet/health-state.json
 """
 
+EXAMPLES = r"""
+# fab status and fab logs (playbooks/status.yml): this host's units, or those of the
+# roles asked for, with their journal where fab logs asks for it.
+- name: Units
+  gpufleet_units:
+    processes: >-
+      {{ gpufleet_host.processes | selectattr('role', 'in', status_roles) | list
+         if status_roles is defined else gpufleet_host.processes }}
+    journal_lines: "{{ status_journal_lines | default(0) | int }}"
+  register: gpufleet_status
+
+# The deploy's last check (playbooks/verify.yml): read twice, a moment apart, so that a
+# unit restarting in a loop shows in its restart count.
+- name: State and restart count
+  gpufleet_units:
+    processes: "{{ gpufleet_host.processes }}"
+  register: __verify_units
+"""
+
 RETURN = r"""
 units:
-  description: One entry per process with unit, role, active, sub, since, uptime_s,
-    restarts, main_pid, ready (true/false/null when the process has no health URL) and
-    journal (when asked).
+  description: >-
+    One entry per process given, in their order. Each has name, role and unit (from the
+    plan), loaded (systemd knows the unit), active and sub (ActiveState and SubState),
+    uptime_s (0 unless active), restarts (NRestarts), main_pid, ready and, with
+    I(journal_lines), journal (journalctl -o short-iso). ready is true when the health
+    URL answers 200, null when the process has no health URL, and false otherwise or
+    when the unit is not active.
   type: list
+  elements: dict
   returned: always
+  sample:
+    - name: decode
+      role: decode
+      unit: gpufleet-decode.service
+      loaded: true
+      active: active
+      sub: running
+      uptime_s: 5230
+      restarts: 0
+      main_pid: 48113
+      ready: true
 host_fault:
-  description: The host checks failing in the health checker's last run that hold the
-    engines' restarts (checks, since, updated) and the engine units it stopped (drained),
-    or null when the host is not sick or the checker never ran.
+  description: >-
+    The health checker's last run, where it found the host sick. It names the failing
+    host checks that hold the engines' restarts (checks, since), when the checker last
+    wrote its state (updated) and the engine units it stopped (drained). Null when the
+    host is not sick or the checker never ran.
   type: dict
   returned: always
+  sample: {checks: [gpu_xid], since: 1748770000.0, updated: 1748770300.0, drained: []}
 """
 
 import json

@@ -25,7 +25,7 @@ EXAMPLES = r"""
   gpufleet_port_holders:
     ports: >-
       {{ __serve_procs | selectattr('order', 'equalto', serve_level)
-         | selectattr('unit', 'in', __serve_changed) | rejectattr('unit', 'in', __serve_roll)
+         | selectattr('unit', 'in', __serve_changed)
          | map(attribute='ports') | map('dict2items') | flatten | map(attribute='value')
          | list }}
   register: __serve_holders

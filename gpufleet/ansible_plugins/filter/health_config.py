@@ -53,7 +53,8 @@ def health_config(slice_: dict, options: dict, fabric_external: bool = False) ->
             "health_timeout_s": int(opt["http_timeout_s"]),
             "generate_timeout_s": int(opt["generate_timeout_s"]),
             "startup_grace_s": int(grace if grace is not None else check["grace_s"]),
-            "restart": restart_enabled and p["role"] in opt["restart_roles"],
+            "restart": restart_enabled and (opt["restart_roles"] is None
+                                            or p["role"] in opt["restart_roles"]),
             "depends_on": check["depends_on"] + (host_units if check["host_services"] else []),
         })
     for service in host_units:

@@ -149,6 +149,21 @@ def log(msg: str) -> None:
 # ---------------------------------------------------------------- checks
 
 
+# The lab's hosts share the controller's kernel, and with it the per-user inotify limits a
+# real host has to itself: every lab host's systemd, journald and logind hold inotify
+# instances as root, so past about eight hosts the kernel's default of 128 instances runs
+# out and a program that watches files on a host (Dynamo's file discovery) fails with "Too
+# many open files". The lab raises the limits to what a host each would give (never lowers).
+INOTIFY = {"fs/inotify/max_user_instances": 8192, "fs/inotify/max_user_watches": 524288}
+
+
+def raise_inotify_limits(proc_sys: Path = Path("/proc/sys")) -> None:
+    for name, floor in INOTIFY.items():
+        path = proc_sys / name
+        if int(path.read_text()) < floor:
+            path.write_text(f"{floor}\n")
+
+
 def check_prereqs() -> None:
     if os.geteuid() != 0:
         raise LabError("the lab needs root (network namespaces, mounts): run it as root")
@@ -847,6 +862,7 @@ def up(
     """Bring the lab up with ``hosts`` hosts; idempotent; cleans up a killed lab first.
     ``root_cache``: where the hosts' root is cached (built there if missing)."""
     check_prereqs()
+    raise_inotify_limits()
     wanted = plan(hosts, profiles, faults)
     hw = {h["name"]: render_hw(h["profile"], h["faults"], h["name"]) for h in wanted}
     state = load_state()

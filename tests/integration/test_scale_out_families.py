@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from labutil import fab, lab_inventory, main_pids, ssh
+from labutil import changed_tasks, fab, lab_inventory, main_pids, ssh
 from openai import OpenAI
 from test_scale_out import under_load
 
@@ -92,9 +92,12 @@ def test_a_rolling_restart_restarts_each_worker_in_turn_and_loses_nothing(pool):
     proc, results = under_load(client, lambda: fab("restart", "--role", role, "-i", inv),
                                model=FAMILIES[family][1])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
-    said = " ".join(proc.stdout.split())
     if family.startswith("sglang"):  # out and back in through the router's worker API
-        assert said.count("/workers/{id}") == 4 and said.count("Back in its routers' pools:") == 2
+        for host, unit in workers(family).items():  # gpufleet_pool changed: it sent the calls
+            moved = [t.split(" | ", 1)[1] for t in changed_tasks(proc.stdout, host)
+                     if t.endswith(f"its routers' pools: {unit}")]
+            assert moved == [f"Out of its routers' pools: {unit}",
+                             f"Back in its routers' pools: {unit}"], (host, moved)
     after = {h: main_pids(h) for h in HOSTS}
     for host, unit in workers(family).items():
         assert after[host][unit] != before[host][unit], (host, unit)

@@ -65,16 +65,19 @@ def options(role_path: Path) -> list[str]:
     return sorted(spec["argument_specs"]["main"]["options"])
 
 
+def option_values(templar, variables: dict, names: list[str]) -> dict:
+    """The value of each of a role's options that this host has, templated as the role
+    sees it (gpufleet_role_inputs hashes them, gpufleet_role_options hands them over)."""
+    return {name: templar.template(variables[name]) for name in names if name in variables}
+
+
 class LookupModule(LookupBase):
     def run(self, terms, variables=None, **kwargs):
         variables = variables or {}
         if "role_path" not in variables:
             raise AnsibleError("gpufleet_role_inputs: use it inside a role")
         role_path = Path(variables["role_path"])
-        values = {}
-        for name in options(role_path):
-            if name in variables:
-                values[name] = self._templar.template(variables[name])
+        values = option_values(self._templar, variables, options(role_path))
         blob = json.dumps(values, sort_keys=True, default=str)
         digest = hashlib.sha256()
         digest.update(files_digest(role_path, *HOST_CODE).encode())

@@ -39,7 +39,7 @@ from pathlib import Path
 from ansible.errors import AnsibleError
 from ansible.plugins.lookup import LookupBase
 
-from gpufleet.ansible_plugins.lookup.gpufleet_role_inputs import options
+from gpufleet.ansible_plugins.lookup.gpufleet_role_inputs import option_values, options
 
 
 class LookupModule(LookupBase):
@@ -47,11 +47,10 @@ class LookupModule(LookupBase):
         variables = variables or {}
         if "role_path" not in variables or not prefix:
             raise AnsibleError("gpufleet_role_options: use it inside a role, with prefix=")
-        values = {}
-        for name in options(Path(variables["role_path"])):
-            if name.startswith(prefix):
-                if name not in variables:
-                    raise AnsibleError(f"gpufleet_role_options: {name} is declared in the "
-                                       "role's argument spec but has no value (defaults/main.yml)")
-                values[name[len(prefix):]] = self._templar.template(variables[name])
-        return [values]
+        names = [n for n in options(Path(variables["role_path"])) if n.startswith(prefix)]
+        unset = [n for n in names if n not in variables]
+        if unset:
+            raise AnsibleError(f"gpufleet_role_options: {', '.join(unset)} declared in the "
+                               "role's argument spec but without a value (defaults/main.yml)")
+        values = option_values(self._templar, variables, names)
+        return [{name[len(prefix):]: value for name, value in values.items()}]

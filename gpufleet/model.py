@@ -276,7 +276,8 @@ class HealthCheck:
     generation of `served_name`, `grace_s` is its start-up window, `depends_on` the units
     of its host it needs serving (their failure is not counted against it), and
     `host_services`: it also needs the host services the plan requires (the fabric
-    manager, IMEX)."""
+    manager, IMEX). `drain`: it runs an engine on the GPUs, so the checker stops it while
+    the host is sick and starts it again once the host is well."""
 
     url: str | None
     generate_url: str | None
@@ -284,6 +285,7 @@ class HealthCheck:
     grace_s: int
     depends_on: list[str]
     host_services: bool = False
+    drain: bool = False
 
 
 @dataclass

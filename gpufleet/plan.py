@@ -762,7 +762,7 @@ def _health(p: Process, beside: list[Process], model) -> HealthCheck:
     return HealthCheck(url=p.readiness.url, generate_url=generate,
                        served_name=model.served_name if generate else None,
                        grace_s=p.readiness.timeout_s, depends_on=depends_on,
-                       host_services=p.is_engine)
+                       host_services=p.is_engine, drain=p.is_engine)
 
 
 def _readiness(p: Process, target, model) -> Readiness:

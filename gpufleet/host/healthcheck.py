@@ -262,6 +262,8 @@ def _unit(raw, where):
         "restart": _field(raw, "restart", where, (bool,), True),
         "depends_on": _field(raw, "depends_on", where, (list,), [],
                              lambda v: all(isinstance(x, str) for x in v), "a list of units"),
+        # the unit runs an engine on the GPUs: a sick host's drain stops it
+        "drain": _field(raw, "drain", where, (bool,), False),
         # what the operator should do when this unit is not active (host services)
         "fix": _field(raw, "fix", where, (str,), ""),
     }
@@ -1144,10 +1146,6 @@ HOST_FAULT_CHECKS = ("gpu", "gpu_ecc", "gpu_remap", "gpu_fabric", "gpu_nvlink", 
                      "gpu_xid", "ib")
 
 
-# the units that run an engine on the GPUs: the ones a sick host's drain stops
-ENGINE_ROLES = ("prefill", "decode", "worker")
-
-
 def host_faults(results):
     """The failed host checks that hold restarts, as "check" names."""
     return sorted({r["check"] for r in results
@@ -1242,7 +1240,7 @@ def drain(cfg, state, statuses, held, log, lost=False):
     names = {u["unit"] for u in cfg["units"]}
     drained = [n for n in state.get("drained") or [] if n in names]
     if lost and policy["enabled"] and not drained:
-        drained = [u["unit"] for u in cfg["units"] if u["role"] in ENGINE_ROLES and
+        drained = [u["unit"] for u in cfg["units"] if u["drain"] and
                    statuses.get(u["unit"], {}).get("active_state") == "inactive" and
                    statuses[u["unit"]].get("enabled")]
         if drained:
@@ -1269,7 +1267,7 @@ def drain(cfg, state, statuses, held, log, lost=False):
             log(f"FAIL drain   {name} systemctl {verb} failed: {first_line(err) or rc}")
         return rc == 0
 
-    running = [u["unit"] for u in cfg["units"] if u["role"] in ENGINE_ROLES and
+    running = [u["unit"] for u in cfg["units"] if u["drain"] and
                u["unit"] not in drained and statuses.get(u["unit"], {}).get(
                    "active_state") in ("active", "activating", "reloading")]
     if draining and policy["enabled"] and running:
@@ -1473,7 +1471,7 @@ def metrics(cfg, results, statuses, state, gpu, xids, free, ib, ran_at, took, he
                      "1 while the checker holds the engine unit stopped because the host is "
                      "sick (drain); it starts it again once the host checks pass.",
                      [({"unit": u["unit"]}, u["unit"] in (state.get("drained") or []))
-                      for u in cfg["units"] if u["role"] in ENGINE_ROLES]))
+                      for u in cfg["units"] if u["drain"]]))
     families.append(("gpufleet_health_run_duration_seconds", "gauge",
                      "Wall time of the checker's last run.", [({}, took)]))
     return render_metrics(families)

@@ -31,12 +31,12 @@ def config(plan, host, fabric_external=False, **changed):
                          dict(SETTINGS, **changed), fabric_external)
 
 
-def engine(name, port, grace=3600, depends_on=(FM,)):
+def engine(name, port, grace=3600, depends_on=(FM,), drain=True):
     return {"unit": f"gpufleet-{name}.service", "name": name, "role": name,
             "health_url": f"http://127.0.0.1:{port}/health", "generate_url": None,
             "served_name": None, "api_key_file": None, "health_timeout_s": 5,
             "generate_timeout_s": 30, "startup_grace_s": grace, "restart": True,
-            "depends_on": list(depends_on)}
+            "depends_on": list(depends_on), "drain": drain}
 
 
 ONE_NODE = {
@@ -49,13 +49,13 @@ ONE_NODE = {
         engine("prefill", 8001),
         engine("decode", 8002),
         dict(engine("router", 8000, 300,
-                    ["gpufleet-prefill.service", "gpufleet-decode.service"]),
+                    ["gpufleet-prefill.service", "gpufleet-decode.service"], drain=False),
              generate_url="http://127.0.0.1:8000/v1/completions",
              served_name="zai-org/GLM-5.3-Flash"),
-        dict(engine("gateway", 8000, 300, ["gpufleet-router.service"]),
+        dict(engine("gateway", 8000, 300, ["gpufleet-router.service"], drain=False),
              health_url="http://workers-1:8000/health"),
         {"unit": FM, "name": "nvidia-fabricmanager", "role": "host", "restart": False,
-         "depends_on": [],
+         "depends_on": [], "drain": False,
          "fix": "start it (systemctl start nvidia-fabricmanager.service; its journal says why "
                 "it stopped); engines that restart before it runs again fail to start, so the "
                 "checker does not restart them meanwhile"},

@@ -1325,7 +1325,7 @@ def test_a_sick_host_drains_its_engines_and_starts_them_once_healthy(host, engin
     host.nvlink(NVLINK_S.read_text(), nvlink_errors(2, 18))
     host.journal("NVRM: Xid (PCI:0000:00:07): 79, pid=0, GPU has fallen off the bus.\n")
     units = [unit_cfg(engine.url, host.key_file),
-             unit_cfg(engine.url, None, unit=decode, name="decode", role="decode",
+             unit_cfg(engine.url, None, unit=decode, name="decode", role="decode", drain=True,
                       generate_url=None, served_name=None)]
     gpu = {"vendor": "nvidia", "count": 2, "fabric": True}
 
@@ -1375,7 +1375,7 @@ def test_the_fabric_state_of_a_stopped_fabric_manager_holds_restarts_but_drains_
                                              "<state>In Progress</state>"))
     host.nvlink(NVLINK_S.read_text(), nvlink_errors(2, 18))
     units = [unit_cfg(engine.url, host.key_file, depends_on=[fm]),
-             unit_cfg(engine.url, None, unit=decode, name="decode", role="decode",
+             unit_cfg(engine.url, None, unit=decode, name="decode", role="decode", drain=True,
                       generate_url=None, served_name=None, depends_on=[fm]),
              {"unit": fm, "name": "nvidia-fabricmanager", "role": "host", "restart": False,
               "fix": "start it"}]
@@ -1408,7 +1408,8 @@ def drain_host(host, engine, fabric_ok=True, **drain):
     host.nvlink(NVLINK_S.read_text(), nvlink_errors(2, 18))
     host.write_config(units=[unit_cfg(engine.url, host.key_file),
                              unit_cfg(engine.url, None, unit=DECODE, name="decode",
-                                      role="decode", generate_url=None, served_name=None)],
+                                      role="decode", drain=True, generate_url=None,
+                                      served_name=None)],
                       gpu={"vendor": "nvidia", "count": 2, "fabric": True, "timeout_s": 1},
                       drain=dict({"after_runs": 2, "return_after_runs": 2, "cooldown_s": 3600},
                                  **drain))

@@ -56,6 +56,7 @@ def health_config(slice_: dict, options: dict, fabric_external: bool = False) ->
             "restart": restart_enabled and (opt["restart_roles"] is None
                                             or p["role"] in opt["restart_roles"]),
             "depends_on": check["depends_on"] + (host_units if check["host_services"] else []),
+            "drain": check["drain"],
         })
     for service in host_units:
         units.append({
@@ -64,6 +65,7 @@ def health_config(slice_: dict, options: dict, fabric_external: bool = False) ->
             "role": "host",
             "restart": False,
             "depends_on": [],
+            "drain": False,
             "fix": opt["host_service_fix"] % service,
         })
 

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import getpass
+import inspect
 import json
 import os
 import signal
@@ -19,10 +21,12 @@ import tempfile
 import time
 from pathlib import Path
 
+import yaml
 from invoke import Collection, Exit, task
 
 from gpufleet import acceptance as acceptance_report
 from gpufleet import cli
+from gpufleet.inputs import SECRET_WORDS
 from gpufleet.inventory import InventoryError
 from gpufleet.model import ROLES
 from gpufleet.plan import PlanError
@@ -70,6 +74,150 @@ PLAN_HELP = {
     "runtime": "venv or image (default: gpufleet_runtime from the inventory, else venv on "
                "NVIDIA hosts and image on AMD hosts)",
 }
+
+
+# Ansible's own options, passed through to ansible-playbook. Every task that runs a playbook
+# takes them all (playbook_task); the tasks that only read the inventory take the vault
+# password (inventory_task), since the inventory may hold vaulted values.
+ANSIBLE_OPTIONS = {
+    "limit": (None, "only these hosts: an Ansible host pattern, as ansible-playbook --limit"),
+    "verbose": (0, "Ansible's verbosity: -v, -vv, -vvv, as ansible-playbook"),
+    "extra_vars": (None, "a role's variable for this run: KEY=VALUE, YAML or @FILE, as "
+                         "ansible-playbook -e (the plan's inputs are refused here: set those "
+                         "in the inventory); repeatable"),
+    "ask_vault_pass": (False, "ask for the vault password once, for the inventory and the "
+                              "run"),
+    "ask_become_pass": (False, "ask for the become (sudo) password, as ansible-playbook -K"),
+}
+# what the running task passes to ansible-playbook (fab runs one task at a time)
+PASS_THROUGH: list[str] = []
+
+
+def _extra_var_names(value: str) -> set[str]:
+    """The names an -e value sets, read as ansible-playbook reads it: @FILE, a YAML or
+    JSON mapping, or KEY=VALUE pairs; exit 2 for a value it would refuse."""
+    from ansible.parsing.splitter import parse_kv
+
+    if value.startswith("@"):
+        path = Path(value[1:]).expanduser()
+        try:
+            text = path.read_text()
+        except OSError as exc:
+            raise Exit(f"gpufleet: -e {value}: cannot read {path} ({exc.strerror})",
+                       code=2) from None
+        if text.startswith("$ANSIBLE_VAULT"):
+            return set()  # encrypted: Ansible decrypts it with the vault password
+        try:
+            data = yaml.load(text, Loader=yaml.BaseLoader)  # noqa: S506 (reads names only)
+        except yaml.YAMLError:
+            data = None
+    elif value.lstrip().startswith("{"):
+        try:
+            data = yaml.safe_load(value)
+        except yaml.YAMLError:
+            data = None
+    else:
+        data = parse_kv(value)
+        if "_raw_params" in data:
+            data = None
+    if not isinstance(data, dict):
+        raise Exit(f"gpufleet: -e {value!r}: give KEY=VALUE, a YAML or JSON mapping, or "
+                   "@FILE (as ansible-playbook -e)", code=2)
+    return set(data)
+
+
+@contextlib.contextmanager
+def _ansible_options(limit=None, verbose=0, extra_vars=None, ask_vault_pass=False,
+                     ask_become_pass=False):
+    """Check the pass-through options and hold them (and the vault password) for the
+    task's run; exit 2 before anything runs where one is wrong."""
+    args: list[str] = []
+    if limit is not None:
+        if not str(limit).strip():
+            raise Exit("gpufleet: --limit '': give a host pattern (a host, a group, "
+                       "host1,host2)", code=2)
+        args += ["--limit", str(limit)]
+    if verbose:
+        args.append("-" + "v" * min(int(verbose), 6))
+    for value in extra_vars or []:
+        names = _extra_var_names(value)
+        secret = sorted(n for n in names if SECRET_WORDS.search(n))
+        if secret and not value.startswith("@"):
+            raise Exit(f"gpufleet: -e {', '.join(secret)}: a secret on the command line shows "
+                       "in ps and in shell history. Fix: put it in the inventory with "
+                       "ansible-vault, or in a vars file passed as -e @FILE", code=2)
+        planned = sorted(names & (cli.PLAN_VARIABLES | {"gpufleet_plan_json"}))
+        if planned:
+            raise Exit(f"gpufleet: -e {', '.join(planned)}: the plan reads this from the "
+                       "inventory, and an extra variable would reach the roles but not the "
+                       "plan. Fix: set it in the inventory (or use --target, --with, --set, "
+                       "--runtime)", code=2)
+        args += ["-e", value]
+    if ask_become_pass:
+        args.append("--ask-become-pass")
+    with contextlib.ExitStack() as stack:
+        if ask_vault_pass:
+            password = getpass.getpass("Vault password: ")
+            if not password:
+                raise Exit("gpufleet: --ask-vault-pass: no password given", code=2)
+            # a private file for ansible-inventory and ansible-playbook (0600, removed
+            # after the run), never an argument or an environment value
+            fh = stack.enter_context(tempfile.NamedTemporaryFile("w", prefix="gpufleet-vault-"))
+            fh.write(password + "\n")
+            fh.flush()
+            stack.enter_context(_environ("ANSIBLE_VAULT_PASSWORD_FILE", fh.name))
+        PASS_THROUGH[:] = args
+        try:
+            yield
+        finally:
+            PASS_THROUGH.clear()
+
+
+@contextlib.contextmanager
+def _environ(name: str, value: str):
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
+
+
+def _with_options(names: tuple[str, ...], **task_kw):
+    """A task with Ansible's options NAMES added to its own (help, defaults, -e
+    repeatable, -v counted), held by _ansible_options while it runs."""
+    def wrap(body):
+        @functools.wraps(body)
+        def run(c, *args, **kwargs):
+            opts = {n: kwargs.pop(n, ANSIBLE_OPTIONS[n][0]) for n in names}
+            with _ansible_options(**opts):
+                return body(c, *args, **kwargs)
+
+        sig = inspect.signature(body)
+        run.__signature__ = sig.replace(parameters=[
+            *sig.parameters.values(),
+            *(inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                default=ANSIBLE_OPTIONS[n][0]) for n in names)])
+        return task(help={**task_kw.pop("help", {}),
+                          **{n: ANSIBLE_OPTIONS[n][1] for n in names}},
+                    iterable=[*task_kw.pop("iterable", []),
+                              *(["extra_vars"] if "extra_vars" in names else [])],
+                    incrementable=["verbose"] if "verbose" in names else [],
+                    **task_kw)(run)
+    return wrap
+
+
+def playbook_task(**task_kw):
+    """A task that runs a playbook: Ansible's options pass through."""
+    return _with_options(tuple(ANSIBLE_OPTIONS), **task_kw)
+
+
+def inventory_task(**task_kw):
+    """A task that reads the inventory but runs no playbook: the vault password only."""
+    return _with_options(("ask_vault_pass",), **task_kw)
 
 
 def _plan(target, inventory, with_="", set_=None, unset=None, runtime=None):
@@ -152,8 +300,9 @@ def _ansible(playbook, plan_obj, inventory, extra=None, capture=False, check=Fal
     with tempfile.NamedTemporaryFile("w", prefix="gpufleet-plan-", suffix=".json") as fh:
         json.dump(extra_vars, fh)
         fh.flush()
+        # the operator's -e first: the plan's file, last, wins
         cmd = [str(Path(sys.executable).with_name("ansible-playbook")), "-i", inventory,
-               *[str(ROOT / b) for b in books], "-e", f"@{fh.name}"]
+               *[str(ROOT / b) for b in books], *PASS_THROUGH, "-e", f"@{fh.name}"]
         if check:
             cmd += ["--check", "--diff"]
         result = subprocess.run(cmd, env=env, cwd=ROOT, check=False,
@@ -214,7 +363,7 @@ def targets(c, format="text"):
                        for r in rows])
 
 
-@task(iterable=["set_", "unset"], help={**PLAN_HELP, "format": "text (default) or json",
+@inventory_task(iterable=["set_", "unset"], help={**PLAN_HELP, "format": "text (default) or json",
                                          "inventory": "Ansible inventory; without it, the "
                                          "target's reference topology with placeholder hosts"})
 def plan(c, target=None, inventory=None, with_="", set_=None, unset=None, runtime=None,
@@ -231,11 +380,13 @@ def plan(c, target=None, inventory=None, with_="", set_=None, unset=None, runtim
         cli.plan_text(p)
 
 
-@task(iterable=["set_", "unset"],
+@playbook_task(iterable=["set_", "unset"],
       help={**PLAN_HELP, "check": "dry run: ansible --check --diff, changes nothing"})
 def deploy(c, target=None, inventory=DEFAULT_INVENTORY, with_="", set_=None, unset=None,
            runtime=None, check=False):
-    """Deploy: preflight, prepare, cache, serve, smoke test, health timer; then a summary."""
+    """Deploy the target: preflight, prepare, cache, serve, verify, smoke, health.
+
+    Ends with a summary of the processes and the endpoint."""
     p = _plan(target, inventory, with_, set_, unset, runtime)
     with contextlib.nullcontext() if check else _one_at_a_time(p, f"fab deploy {p.target.name}"):
         print(f"gpufleet: deploying {p.target.name} to {inventory} "
@@ -273,7 +424,7 @@ def _api_key(p, inventory) -> str | None:
                    "Fix: run `fab deploy` first; it makes the key", code=1) from None
 
 
-@task(help={"target": PLAN_HELP["target"], "inventory": PLAN_HELP["inventory"],
+@inventory_task(help={"target": PLAN_HELP["target"], "inventory": PLAN_HELP["inventory"],
             "format": "text (default), json, or env (OPENAI_BASE_URL/OPENAI_API_KEY lines)"})
 def endpoint(c, target=None, inventory=DEFAULT_INVENTORY, format="text"):
     """The deployment's endpoint and API key (made on first deploy, kept 0600 here)."""
@@ -293,7 +444,7 @@ def endpoint(c, target=None, inventory=DEFAULT_INVENTORY, format="text"):
               f"api key:  {key or 'none (the deployment was planned with api_key: false)'}")
 
 
-@task(help={"target": PLAN_HELP["target"], "inventory": PLAN_HELP["inventory"],
+@inventory_task(help={"target": PLAN_HELP["target"], "inventory": PLAN_HELP["inventory"],
             "concurrency": "requests in flight (the vLLM recipe's: 16)",
             "prompts": "requests in all (the vLLM recipe's: 64)",
             "input_len": "prompt tokens (the vLLM recipe's: 8192)",
@@ -302,8 +453,10 @@ def endpoint(c, target=None, inventory=DEFAULT_INVENTORY, format="text"):
 def bench(c, target=None, inventory=DEFAULT_INVENTORY, concurrency="16", prompts="64",
           input_len="8192", output_len="1024", out=None):
     # numbers as text, read by _number: invoke's own int() of a bad value is a traceback
-    """Load-test the deployed endpoint in the vLLM recipe's shape (seed 000) with AIPerf:
-    TTFT, ITL, tok/s."""
+    """Load-test the deployed endpoint with AIPerf, in the vLLM recipe's shape.
+
+    The shape is seed 000's (the vLLM recipe for GLM-5.3-Flash); it prints TTFT, ITL and
+    tokens per second."""
     from gpufleet import bench as bench_mod
 
     sizes = {name: _number(name.replace("_", "-"), value, low=1) for name, value in (
@@ -319,16 +472,18 @@ def bench(c, target=None, inventory=DEFAULT_INVENTORY, concurrency="16", prompts
     print(bench_mod.render(result))
 
 
-@task(help={"target": PLAN_HELP["target"], "inventory": PLAN_HELP["inventory"],
+@playbook_task(help={"target": PLAN_HELP["target"], "inventory": PLAN_HELP["inventory"],
             "check": "dry run: ansible --check --diff, changes nothing"})
 def prepare(c, target=None, inventory=DEFAULT_INVENTORY, check=False):
-    """Preflight every host, then prepare them: driver, fabric manager, IMEX, RDMA, UCX,
-    ROCm, engine runtime (playbooks/prepare.yml)."""
+    """Preflight every host, then prepare the hosts for the engines.
+
+    That is the driver, the fabric manager, IMEX, RDMA, UCX, ROCm and the engine runtime
+    (playbooks/prepare.yml)."""
     p = _plan(target, inventory)
     _ansible(["playbooks/preflight.yml", "playbooks/prepare.yml"], p, inventory, check=check)
 
 
-@task(help={"target": PLAN_HELP["target"], "inventory": PLAN_HELP["inventory"],
+@playbook_task(help={"target": PLAN_HELP["target"], "inventory": PLAN_HELP["inventory"],
             "check": "dry run: report what would be downloaded"})
 def cache(c, target=None, inventory=DEFAULT_INVENTORY, check=False):
     """Put the target's checkpoint on the shared cache once, verified (playbooks/cache.yml)."""
@@ -336,7 +491,7 @@ def cache(c, target=None, inventory=DEFAULT_INVENTORY, check=False):
     _ansible(["playbooks/preflight.yml", "playbooks/cache.yml"], p, inventory, check=check)
 
 
-@task(help={"target": PLAN_HELP["target"], "inventory": PLAN_HELP["inventory"]})
+@playbook_task(help={"target": PLAN_HELP["target"], "inventory": PLAN_HELP["inventory"]})
 def smoke(c, target=None, inventory=DEFAULT_INVENTORY):
     """Run the smoke test against the deployment's endpoint (the official openai client)."""
     p = _deployed(target, inventory)
@@ -350,8 +505,10 @@ def _status(p, inventory, roles=None, journal=0):
     _rc, report = _ansible("playbooks/status.yml", p, inventory, extra, capture=True)
     per_host = _reports(report)
     # a planned host that reported nothing (unreachable, failed, or its play published no
-    # result) is named, never read as a host with no units
-    return per_host, sorted(set(_unreachable(report)) | (set(p.hosts) - set(per_host)))
+    # result) is named, never read as a host with no units; with --limit, of the hosts the
+    # run was given
+    expected = set(report.get("stats", {})) if "--limit" in PASS_THROUGH else set(p.hosts)
+    return per_host, sorted(set(_unreachable(report)) | (expected - set(per_host)))
 
 
 def _uptime(seconds: int) -> str:
@@ -361,11 +518,13 @@ def _uptime(seconds: int) -> str:
     return f"{h}h{rest // 60:02d}m" if h else f"{rest // 60}m{rest % 60:02d}s"
 
 
-@task(help={"target": PLAN_HELP["target"], "inventory": PLAN_HELP["inventory"],
+@playbook_task(help={"target": PLAN_HELP["target"], "inventory": PLAN_HELP["inventory"],
             "format": "text (default) or json"})
 def status(c, target=None, inventory=DEFAULT_INVENTORY, format="text"):
-    """Every unit of the deployment on every host: state, uptime, restarts, ready; and each
-    host the health checker found sick (its restarts held)."""
+    """Show every unit of the deployment on every host, and each sick host.
+
+    For each unit: its state, uptime, restarts and readiness. A host the health checker
+    found sick (its restarts held) is named with its fault."""
     _format(format, "text", "json")
     p = _deployed(target, inventory)
     per_host, bad = _status(p, inventory)
@@ -386,7 +545,7 @@ def status(c, target=None, inventory=DEFAULT_INVENTORY, format="text"):
         raise Exit(code=1)
 
 
-@task(help={"role": "only this role's units (worker, prefill, decode, router, etcd)",
+@playbook_task(help={"role": "only this role's units (worker, prefill, decode, router, etcd)",
             "n": "journal lines per unit (default 100)",
             "target": PLAN_HELP["target"], "inventory": PLAN_HELP["inventory"]})
 def logs(c, role=None, n="100", target=None, inventory=DEFAULT_INVENTORY):
@@ -404,7 +563,7 @@ def logs(c, role=None, n="100", target=None, inventory=DEFAULT_INVENTORY):
         raise Exit(f"gpufleet: could not read logs from {', '.join(bad)}", code=1)
 
 
-@task(help={"role": "only this role's units", "target": PLAN_HELP["target"],
+@playbook_task(help={"role": "only this role's units", "target": PLAN_HELP["target"],
             "inventory": PLAN_HELP["inventory"]})
 def restart(c, role=None, target=None, inventory=DEFAULT_INVENTORY):
     """Rolling restart: one host at a time, each unit waited for until it serves again."""
@@ -416,20 +575,44 @@ def restart(c, role=None, target=None, inventory=DEFAULT_INVENTORY):
                  {"restart_roles": [role]} if role else None)
 
 
-@task(help={"target": PLAN_HELP["target"], "inventory": PLAN_HELP["inventory"],
-            "purge_cache": "also delete the checkpoint cache (kept by default)",
-            "purge_images": "also delete the engine image (image runtime; kept by default)"})
+@playbook_task(help={"target": PLAN_HELP["target"], "inventory": PLAN_HELP["inventory"],
+                     "purge_cache": "also delete the checkpoint from the shared cache (kept by "
+                                    "default; asks first)",
+                     "purge_images": "also delete the engine image (image runtime; kept by "
+                                     "default)",
+                     "yes": "do not ask before --purge-cache deletes the checkpoint",
+                     "check": "dry run: ansible --check --diff, changes nothing"})
 def teardown(c, target=None, inventory=DEFAULT_INVENTORY, purge_cache=False,
-             purge_images=False):
-    """Stop and remove everything gpufleet installed on the hosts; keeps the cache and the
-    engine image unless --purge-cache / --purge-images."""
+             purge_images=False, yes=False, check=False):
+    """Stop and remove everything gpufleet installed on the hosts.
+
+    The checkpoint cache and the engine image stay unless --purge-cache or
+    --purge-images."""
     p = _deployed(target, inventory)
-    with _one_at_a_time(p, "fab teardown"):
+    if purge_cache and not (yes or check):
+        models = ", ".join(f"{m['repo']} ({m['weight_gib']:g} GiB)" for m in p.cache["models"])
+        _confirm(f"--purge-cache deletes {models} from {p.cache['path']} on "
+                 f"{', '.join(sorted(p.hosts))}; the next deploy downloads it again")
+    with contextlib.nullcontext() if check else _one_at_a_time(p, "fab teardown"):
         _ansible("playbooks/teardown.yml", p, inventory,
-                 {"teardown_cache": bool(purge_cache), "teardown_images": bool(purge_images)})
+                 {"teardown_cache": bool(purge_cache), "teardown_images": bool(purge_images)},
+                 check=check)
+    if check:
+        print("gpufleet: check mode: nothing was changed")
 
 
-@task(help={"target": PLAN_HELP["target"], "inventory": PLAN_HELP["inventory"],
+def _confirm(what: str) -> None:
+    """Ask before WHAT happens; exit 2 (nothing changed) unless the answer is yes. Without
+    a terminal to ask on, --yes is the answer."""
+    if not sys.stdin.isatty():
+        raise Exit(f"gpufleet: refusing, nothing was changed: {what}. Fix: add --yes to "
+                   "confirm", code=2)
+    print(f"gpufleet: {what}.", file=sys.stderr)
+    if input("Go on? [y/N] ").strip().lower() not in ("y", "yes"):
+        raise Exit("gpufleet: nothing was changed", code=2)
+
+
+@playbook_task(help={"target": PLAN_HELP["target"], "inventory": PLAN_HELP["inventory"],
             "format": "text (default) or json"})
 def health(c, target=None, inventory=DEFAULT_INVENTORY, format="text"):
     """Run the health checker on every host now, in parallel; non-zero if anything is sick."""
@@ -446,7 +629,7 @@ def health(c, target=None, inventory=DEFAULT_INVENTORY, format="text"):
         raise Exit(code=1)
 
 
-@task(help={"target": PLAN_HELP["target"], "inventory": PLAN_HELP["inventory"],
+@playbook_task(help={"target": PLAN_HELP["target"], "inventory": PLAN_HELP["inventory"],
             "threshold": "fail below this share of the expected figures (default 0.8)",
             "timeout": "seconds one collective or GPU pass may take before it counts as hung",
             "while_serving": "measure even where the engines serve (lower figures)",
@@ -455,9 +638,11 @@ def health(c, target=None, inventory=DEFAULT_INVENTORY, format="text"):
             "runtime": PLAN_HELP["runtime"], "format": "text (default) or json"})
 def acceptance(c, target=None, inventory=DEFAULT_INVENTORY, threshold="0.8", timeout="300",
                while_serving=False, gpus="", runtime=None, format="text"):
-    """Prove the GPUs and their links deliver before serving: per host, an all_reduce
-    across each engine's GPUs, a memory and matmul pass per GPU, dcgmi diag where present,
-    against the hardware profile's figures; non-zero if any host falls short."""
+    """Prove that the GPUs and their links deliver, before serving.
+
+    Per host: an all_reduce across each engine's GPUs, a memory and matmul pass per GPU,
+    and dcgmi diag where present, each against the hardware profile's figures. Non-zero if
+    any host falls short."""
     _format(format, "text", "json")
     threshold = _number("threshold", threshold, float)
     timeout = _number("timeout", timeout, low=1)

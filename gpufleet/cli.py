@@ -35,6 +35,12 @@ INVENTORY_OVERRIDES = {
     "gpufleet_registry_mirror": "registry_mirror",
     "gpufleet_acknowledge": "acknowledge",
 }
+# every inventory variable the planner reads, the overrides above and those it reads by
+# name (tests/unit/test_plugin_docs.py derives the same set from the code). fab refuses
+# them as Ansible extra variables (-e), which would reach the roles but not the plan.
+PLAN_VARIABLES = frozenset(INVENTORY_OVERRIDES) | {
+    "gpufleet_target", "gpufleet_deployment", "gpufleet_hardware", "gpufleet_host_python",
+    "gpufleet_internal_address"}
 
 
 def split_csv(value: str | list | None, what: str = "gpufleet_with") -> list[str]:

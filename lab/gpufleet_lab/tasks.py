@@ -83,8 +83,10 @@ def ssh(c, host, user="root"):
 @task(help={"engine": "only the images of these engines, comma separated (default: all)",
             "fault": "also these fault variants, comma separated (flashinfer-old)"})
 def images(c, engine="", fault=""):
-    """Build the stand-in engine images under the catalog's image names and push them to the
-    lab's registry, the image runtime's mirror (a few minutes the first time)."""
+    """Build the stand-in engine images and push them to the lab's registry.
+
+    They carry the catalog's image names, and the registry is the image runtime's mirror
+    (a few minutes the first time)."""
     from gpufleet_lab import images as lab_images
 
     for ref, digest in _guard(lab_images.ensure, _split(engine) or None,

@@ -365,6 +365,11 @@ def test_planner_variables_are_found():
     assert PACKAGE / "plan.py" in planner_files()
 
 
+def test_fab_knows_every_variable_the_planner_reads():
+    """cli.PLAN_VARIABLES (fab refuses them in -e) is what the code reads."""
+    assert set(cli.PLAN_VARIABLES) == planner_variables()
+
+
 def test_plan_lookup_documents_every_variable_the_planner_reads():
     documented = set(re.findall(r"C\((gpufleet_\w+)\)", plan_description()))
     missing = sorted(planner_variables() - documented)

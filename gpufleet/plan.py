@@ -999,8 +999,10 @@ def _engine_locks(plan: Plan, inventory: inv_mod.Inventory, catalog) -> list[Pro
                 f"no {engine} lock for CPython {python!r} on {hw.cpu_arch} ({hw.product} hosts); "
                 f"locked: {', '.join(pythons)}",
                 f'set gpufleet_host_python: "{pythons[0]}" (quoted; the host\'s python3 -V) '
-                f"for a host that has it, or add {python} to locks.pythons in "
-                "gpufleet/catalog/engines.yml and run scripts/lock"))
+                "for a host that has it, or run the engine from its image, which brings its "
+                "own Python (gpufleet_runtime: image, or fab's --runtime image), or add "
+                f"{python} to locks.pythons in gpufleet/catalog/engines.yml and run "
+                "scripts/lock"))
             continue
         path = catalog.lock_path(engine, hw.cpu_arch, python)
         req.engine.lock = path

@@ -55,6 +55,13 @@ def test_host_python_without_a_lock_is_refused(python):
     assert f"CPython '{python}' on x86_64" in problem.message
     assert "3.12, 3.11" in problem.message
     assert 'gpufleet_host_python: "3.12"' in problem.fix and "scripts/lock" in problem.fix
+    assert "--runtime image" in problem.fix
+
+
+def test_a_host_python_without_a_lock_runs_the_engine_from_its_image():
+    """Ubuntu 22.04's Python 3.10 has no venv lock: the image brings its own Python."""
+    plan = make_plan("h200-pd-1node", with_python({"workers": 1}, "3.10"), {"runtime": "image"})
+    assert plan.to_json()["hosts"]["workers-1"]["engine"]["runtime"] == "image"
 
 
 def test_amd_hosts_have_no_cuda_lock_and_say_so(monkeypatch):

@@ -26,6 +26,7 @@ from invoke import Collection, Exit, task
 
 from gpufleet import acceptance as acceptance_report
 from gpufleet import cli
+from gpufleet import inventory as inventory_mod
 from gpufleet.inputs import SECRET_WORDS
 from gpufleet.inventory import InventoryError
 from gpufleet.model import ROLES
@@ -89,8 +90,10 @@ ANSIBLE_OPTIONS = {
                               "run"),
     "ask_become_pass": (False, "ask for the become (sudo) password, as ansible-playbook -K"),
 }
-# what the running task passes to ansible-playbook (fab runs one task at a time)
+# what the running task passes to ansible-playbook (fab runs one task at a time), and its
+# --limit pattern
 PASS_THROUGH: list[str] = []
+LIMIT: list[str] = []
 
 
 def _extra_var_names(value: str) -> set[str]:
@@ -132,11 +135,9 @@ def _ansible_options(limit=None, verbose=0, extra_vars=None, ask_vault_pass=Fals
     """Check the pass-through options and hold them (and the vault password) for the
     task's run; exit 2 before anything runs where one is wrong."""
     args: list[str] = []
-    if limit is not None:
-        if not str(limit).strip():
-            raise Exit("gpufleet: --limit '': give a host pattern (a host, a group, "
-                       "host1,host2)", code=2)
-        args += ["--limit", str(limit)]
+    if limit is not None and not str(limit).strip():
+        raise Exit("gpufleet: --limit '': give a host pattern (a host, a group, "
+                   "host1,host2)", code=2)
     if verbose:
         args.append("-" + "v" * min(int(verbose), 6))
     for value in extra_vars or []:
@@ -167,10 +168,12 @@ def _ansible_options(limit=None, verbose=0, extra_vars=None, ask_vault_pass=Fals
             fh.flush()
             stack.enter_context(_environ("ANSIBLE_VAULT_PASSWORD_FILE", fh.name))
         PASS_THROUGH[:] = args
+        LIMIT[:] = [str(limit)] if limit is not None else []
         try:
             yield
         finally:
             PASS_THROUGH.clear()
+            LIMIT.clear()
 
 
 @contextlib.contextmanager
@@ -288,6 +291,23 @@ JSON_RESULT = {"ANSIBLE_STDOUT_CALLBACK": "json", "ANSIBLE_LOAD_CALLBACK_PLUGINS
                "ANSIBLE_SHOW_CUSTOM_STATS": "1"}
 
 
+def _limited(plan_obj, inventory) -> list[str] | None:
+    """The plan's hosts that --limit's pattern matches, as Ansible reads the pattern (its
+    own inventory parser); None without --limit. Exit 2 where it matches none."""
+    if not LIMIT:
+        return None
+    try:
+        matched = inventory_mod.load(inventory, limit=LIMIT[0]).hosts
+    except InventoryError:
+        matched = {}
+    hosts = sorted(set(matched) & set(plan_obj.hosts))
+    if not hosts:
+        raise Exit(f"gpufleet: --limit {LIMIT[0]!r} matches none of the deployment's hosts "
+                   f"({', '.join(sorted(plan_obj.hosts))}). Fix: give a host or group of "
+                   "them", code=2)
+    return hosts
+
+
 def _ansible(playbook, plan_obj, inventory, extra=None, capture=False, check=False):
     """Run a playbook (or a list, in one run, sharing the plan) with the plan; with
     capture, return Ansible's JSON result."""
@@ -300,9 +320,12 @@ def _ansible(playbook, plan_obj, inventory, extra=None, capture=False, check=Fal
     with tempfile.NamedTemporaryFile("w", prefix="gpufleet-plan-", suffix=".json") as fh:
         json.dump(extra_vars, fh)
         fh.flush()
-        # the operator's -e first: the plan's file, last, wins
+        # the operator's -e first: the plan's file, last, wins. --limit as the hosts it
+        # matched, with localhost: the plays that plan and record run there
+        limited = _limited(plan_obj, inventory)
+        limit = ["--limit", ",".join([*limited, "localhost"])] if limited else []
         cmd = [str(Path(sys.executable).with_name("ansible-playbook")), "-i", inventory,
-               *[str(ROOT / b) for b in books], *PASS_THROUGH, "-e", f"@{fh.name}"]
+               *[str(ROOT / b) for b in books], *limit, *PASS_THROUGH, "-e", f"@{fh.name}"]
         if check:
             cmd += ["--check", "--diff"]
         result = subprocess.run(cmd, env=env, cwd=ROOT, check=False,
@@ -507,7 +530,7 @@ def _status(p, inventory, roles=None, journal=0):
     # a planned host that reported nothing (unreachable, failed, or its play published no
     # result) is named, never read as a host with no units; with --limit, of the hosts the
     # run was given
-    expected = set(report.get("stats", {})) if "--limit" in PASS_THROUGH else set(p.hosts)
+    expected = set(_limited(p, inventory) or p.hosts)
     return per_host, sorted(set(_unreachable(report)) | (expected - set(per_host)))
 
 

@@ -91,8 +91,9 @@ def from_ansible_list(data: dict, source: str) -> Inventory:
     return Inventory(hosts=hosts, groups=groups, source=source, vars=shared)
 
 
-def load(path: str) -> Inventory:
-    """Read an Ansible inventory (file or directory) with ansible-inventory."""
+def load(path: str, limit: str | None = None) -> Inventory:
+    """Read an Ansible inventory (file or directory) with ansible-inventory; with limit,
+    only the hosts that host pattern matches."""
     if not Path(path).exists():
         raise InventoryError(
             f"inventory {path!r} does not exist. Fix: pass -i with a file or directory "
@@ -105,7 +106,9 @@ def load(path: str) -> Inventory:
     bound = ("Fix: look for YAML aliases that expand (a &anchor used many times inside "
              "another), or an inventory script that hangs")
     try:
-        proc = subprocess.run([exe, "-i", path, "--list"], capture_output=True, text=True,
+        proc = subprocess.run([exe, "-i", path, "--list",
+                               *(["--limit", limit] if limit else [])],
+                              capture_output=True, text=True,
                               check=False, env=env, timeout=TIMEOUT_S, preexec_fn=_bounded)
     except subprocess.TimeoutExpired:
         raise InventoryError(f"ansible-inventory took over {TIMEOUT_S} s to read {path!r}. "

@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -73,7 +74,8 @@ def test_the_options_reach_ansible_playbook_before_the_plan(runs):
                "--ask-become-pass") == 0
     argv = runs[0]["argv"]
     plan_file = argv.index("-e", argv.index("-e", argv.index("-e") + 1) + 1)
-    assert argv[argv.index("--limit") + 1] == "gpu-node1" and "-vv" in argv
+    # the hosts the pattern matched, and localhost, where the plan and the record plays run
+    assert argv[argv.index("--limit") + 1] == "gpu-node1,localhost" and "-vv" in argv
     assert argv[argv.index("-e") + 1] == "nvidia_driver_install=true"
     assert "--ask-become-pass" in argv
     assert argv[plan_file + 1].startswith("@") and plan_file == len(argv) - 2
@@ -111,9 +113,36 @@ def test_an_extra_vars_file_is_read_for_its_names(runs, capsys, tmp_path):
     assert f"@{good}" in runs[0]["argv"]
 
 
-def test_an_empty_limit_is_refused(runs, capsys):
+def test_a_limit_that_matches_no_host_of_the_deployment_is_refused(runs, capsys):
     assert fab("status", "-i", SAMPLE, "--limit", "") == 2
     assert "give a host pattern" in capsys.readouterr().err and runs == []
+    assert fab("prepare", "-i", SAMPLE, "--limit", "nosuchhost") == 2
+    assert "--limit 'nosuchhost' matches none of the deployment's hosts (gpu-node1)" in \
+        capsys.readouterr().err and runs == []
+    assert fab("prepare", "-i", SAMPLE, "--limit", "workers") == 0  # a group: its hosts
+    assert "gpu-node1,localhost" in runs[-1]["argv"]
+
+
+def test_a_limited_run_still_plans_on_the_controller(tmp_path):
+    """The real fab and ansible-playbook: the plan play runs on localhost, which a plain
+    --limit would skip (and every later play with it), so a limited status reports the
+    host it names, and the one it leaves out is not named as a host that reported nothing.
+    The host is this machine (a local connection); status only reads."""
+    inventory = tmp_path / "inv"
+    (inventory / "group_vars").mkdir(parents=True)
+    (inventory / "hosts.yml").write_text(
+        "all:\n  children:\n    workers:\n      hosts:\n"
+        "        here: {ansible_connection: local, "
+        f"ansible_python_interpreter: {sys.executable}}}\n"
+        "        there: {ansible_host: 192.0.2.99}\n")
+    (inventory / "group_vars" / "all.yml").write_text(
+        "gpufleet_target: h200-pd-1node\ngpufleet_hardware: h200\ngpufleet_replicas: true\n")
+    proc = subprocess.run([str(BIN / "fab"), "status", "-i", str(inventory), "--limit", "here"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "XDG_CONFIG_HOME": str(tmp_path / "config")})
+    assert re.search(r"^here +gpufleet-prefill\.service", proc.stdout, re.M), \
+        proc.stdout + proc.stderr
+    assert "there" not in proc.stdout
 
 
 def test_the_vault_password_is_asked_once_and_serves_the_inventory_and_the_run(

@@ -144,6 +144,8 @@ def installed(index_url, stats, tmp_path_factory):
         "engine_runtime_lock_dir": str(ROOT / "gpufleet/catalog/locks"),
         "engine_runtime_index_url": index_url,
         "engine_runtime_trusted_host": services.controller_address(),
+        # not the lab's gpufleet_pip_find_links: its stand-ins carry the real names
+        "engine_runtime_find_links": "",
     }))
     t0 = time.monotonic()
     try:

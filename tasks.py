@@ -569,14 +569,19 @@ def status(c, target=None, inventory=DEFAULT_INVENTORY, format="text"):
 
 
 @playbook_task(help={"role": "only this role's units (worker, prefill, decode, router, etcd)",
-            "n": "journal lines per unit (default 100)",
-            "target": PLAN_HELP["target"], "inventory": PLAN_HELP["inventory"]})
-def logs(c, role=None, n="100", target=None, inventory=DEFAULT_INVENTORY):
+                     "n": "journal lines per unit (default 100)",
+                     "follow": "go on printing new lines as they are written, from every "
+                               "host at once (Ctrl-C ends)",
+                     "target": PLAN_HELP["target"], "inventory": PLAN_HELP["inventory"]})
+def logs(c, role=None, n="100", target=None, inventory=DEFAULT_INVENTORY, follow=False):
     """The last journal lines of the deployment's units, host by host."""
     if role and role not in ROLES:
         raise Exit(f"gpufleet: unknown role {role!r}; choose from {', '.join(ROLES)}", code=2)
     lines = _number("n", n, low=1)
     p = _deployed(target, inventory)
+    if follow:
+        _follow(p, inventory, role, lines)
+        return
     per_host, bad = _status(p, inventory, [role] if role else None, lines)
     for host, result in sorted(per_host.items()):
         for u in result.get("units", []):
@@ -584,6 +589,28 @@ def logs(c, role=None, n="100", target=None, inventory=DEFAULT_INVENTORY):
             print(u.get("journal", "").rstrip())
     if bad:
         raise Exit(f"gpufleet: could not read logs from {', '.join(bad)}", code=1)
+
+
+def _follow(p, inventory, role, lines):
+    """fab logs -f: each host's units' journal over SSH as Ansible connects (follow.py)."""
+    from gpufleet import follow as follow_mod
+
+    hosts = _limited(p, inventory) or sorted(p.hosts)
+    units = {h: [x.unit for x in p.processes if x.host == h and role in (None, x.role)]
+             for h in hosts}
+    hostvars = inventory_mod.load(inventory).hosts
+    base = follow_mod.ssh_args(Path(os.environ.get("ANSIBLE_CONFIG") or ROOT / "ansible.cfg"))
+    commands = {h: follow_mod.command(h, hostvars[h].vars, u, lines, base)
+                for h, u in units.items() if u}
+    if not commands:
+        raise Exit(f"gpufleet: no {role} units on {', '.join(hosts)}", code=2)
+    print(f"gpufleet: following {sum(map(len, units.values()))} units on "
+          f"{', '.join(commands)} (Ctrl-C ends)", file=sys.stderr)
+    failed = follow_mod.follow(commands)
+    if failed:
+        raise Exit("gpufleet: could not follow the journal: " + "; ".join(failed) + ". Fix: "
+                   "check that the host answers SSH as Ansible connects, and that its user "
+                   "may run journalctl (root, or sudo without a password)", code=1)
 
 
 @playbook_task(help={"role": "only this role's units", "target": PLAN_HELP["target"],

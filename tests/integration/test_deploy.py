@@ -48,6 +48,24 @@ def test_vllm_pd_deploys_and_passes_the_smoke_test(lab):
     assert env.split() == ["640", "root", "gpufleet"]
 
 
+def test_fab_logs_prints_and_follows_the_units_journal(lab):
+    """The last lines through the status play, and -f over SSH as Ansible connects: the
+    history comes, each line led by its host, and Ctrl-C ends it cleanly."""
+    proc = fab("logs", "--target", "h200-pd-1node", "--role", "decode", "-n", "5")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "==> lab1 gpufleet-decode.service (active) <==" in proc.stdout
+    follower = subprocess.Popen([str(BIN / "fab"), "logs", "--target", "h200-pd-1node",
+                                 "--role", "decode", "-n", "5", "-f"], cwd=ROOT,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        first = follower.stdout.readline()  # the history comes at once
+        assert first.startswith("lab1 | "), first + follower.stderr.read()
+    finally:
+        follower.send_signal(2)  # Ctrl-C
+        rc = follower.wait(timeout=60)
+    assert rc == 0, follower.stderr.read()
+
+
 def test_ansible_playbook_rerun_changes_nothing_and_restarts_nothing(lab):
     before = units("h200-pd-1node")
     proc = playbook("-i", "inventories/lab", "site.yml")

@@ -79,6 +79,34 @@ def test_progress_polls_show_bytes_rate_and_eta_instead_of_retrying(tmp_path):
     assert "localhost                  : ok=2" in out
 
 
+def test_under_ansible_runner_the_progress_is_plain_lines_too(tmp_path):
+    """AWX runs the plays through ansible-runner on a pseudo-terminal, its own callback
+    wrapped around the one ANSIBLE_STDOUT_CALLBACK names: with the execution environment's
+    settings (execution-environment.yml) the job's log shows the same plain progress lines,
+    no bar and no FAILED - RETRYING for the download."""
+    import ansible_runner
+    import yaml
+
+    steps = yaml.safe_load((ROOT / "execution-environment.yml").read_text())[
+        "additional_build_steps"]["append_final"]
+    ee = {k: v.replace("/runner/project", str(ROOT)) for k, v in
+          (s[len("ENV "):].split("=", 1) for s in steps if s.startswith("ENV "))}
+    (tmp_path / "project").mkdir()
+    (tmp_path / "project" / "play.yml").write_text(PLAY.format(
+        python=sys.executable, script=SCRIPT, counter=tmp_path / "n"))
+    run = ansible_runner.run(
+        private_data_dir=str(tmp_path), playbook="play.yml", inventory="localhost,",
+        quiet=True, cmdline=f"-c local -e ansible_python_interpreter={sys.executable}",
+        envvars={"PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+                 "ANSIBLE_LOCALHOST_WARNING": "0", **ee})
+    out = run.stdout.read()
+    assert (run.status, run.rc) == ("successful", 0), out
+    assert "progress: localhost: zai-org/GLM-5.3-Flash:   0.0% 0 B of 9.0 GiB" in out
+    assert "\x1b[K[" not in out  # no bar
+    assert "FAILED - RETRYING: [localhost]: A download" not in out
+    assert "FAILED - RETRYING: [localhost]: A plain poll" in out
+
+
 @pytest.mark.parametrize(("status", "line", "frac"), [
     ({}, "h: download: starting", None),
     ({"state": "running", "repo": "r/m", "bytes_total": 0}, "h: r/m: starting", None),

@@ -3,14 +3,16 @@
 A task that sets the variable ``gpufleet_progress: true`` and polls with ``until`` (the
 cache role's checkpoint download) reports through its retries: each retry's stdout is
 the JSON line ``cache_fetch.py --status`` prints, shown as bytes, rate and ETA instead of
-"FAILED - RETRYING". On a terminal it is one bar redrawn in place; otherwise (a log, CI,
-ansible-runner) a plain line when a download starts, then at most one every 10 seconds
-per host.
+"FAILED - RETRYING". On a terminal it is one bar redrawn in place; otherwise (a log, CI)
+a plain line when a download starts, then at most one every 10 seconds per host. Under
+ansible-runner (AWX, AAP), which wraps this callback in its own (`awx_display`) and runs the
+plays on a pseudo-terminal whose output becomes the job's log, the lines are plain too.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 
@@ -95,7 +97,7 @@ class CallbackModule(Default):
             status = {}
         host = self.host_label(result)
         line, frac = progress_line(host, status)
-        if sys.stdout.isatty():
+        if sys.stdout.isatty() and os.environ.get("ANSIBLE_STDOUT_CALLBACK") != "awx_display":
             filled = int(BAR * (frac or 0))
             sys.stdout.write(f"\r\x1b[K[{'#' * filled}{'.' * (BAR - filled)}] {line}")
             sys.stdout.flush()

@@ -196,6 +196,10 @@ def _with_options(names: tuple[str, ...], **task_kw):
         @functools.wraps(body)
         def run(c, *args, **kwargs):
             opts = {n: kwargs.pop(n, ANSIBLE_OPTIONS[n][0]) for n in names}
+            param = sig.parameters.get("inventory")
+            inventory = kwargs.get("inventory", param.default if param else None)
+            if inventory:
+                kwargs["inventory"] = _inventory_path(inventory)
             with _ansible_options(**opts):
                 return body(c, *args, **kwargs)
 
@@ -213,6 +217,17 @@ def _with_options(names: tuple[str, ...], **task_kw):
     return wrap
 
 
+def _inventory_path(path: str) -> str:
+    """An inventory path as the operator meant it, for every command fab runs (the playbooks
+    run in the checkout): relative to the directory fab was started in, else to the checkout
+    (inventories/h200 from anywhere, fab -r), else as given (ansible-inventory then says
+    what is wrong)."""
+    for base in (Path.cwd(), ROOT):
+        if (base / path).exists():
+            return str((base / path).resolve())
+    return path
+
+
 def playbook_task(**task_kw):
     """A task that runs a playbook: Ansible's options pass through."""
     return _with_options(tuple(ANSIBLE_OPTIONS), **task_kw)
@@ -224,7 +239,8 @@ def inventory_task(**task_kw):
 
 
 def _plan(target, inventory, with_="", set_=None, unset=None, runtime=None):
-    if inventory == DEFAULT_INVENTORY and not (ROOT / inventory / "hosts.yml").exists():
+    if Path(inventory).resolve() == (ROOT / DEFAULT_INVENTORY).resolve() and \
+            not (ROOT / DEFAULT_INVENTORY / "hosts.yml").exists():
         fix = "bring the lab up first (fab lab.up) or pass" if LAB.is_dir() else "pass"
         raise Exit(f"gpufleet: the lab inventory does not exist yet. Fix: {fix} -i with your "
                    "inventory", code=2)

@@ -15,6 +15,7 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -238,3 +239,18 @@ def test_fab_list_shows_a_whole_sentence_per_task():
             assert lines and lines[0].endswith("."), f"{name}: {lines[:1]}"
             assert len(lines) == 1 or not lines[1].strip(), \
                 f"{name}: the summary runs on into a second line: {lines[:2]}"
+
+
+def test_an_inventory_path_is_read_from_where_fab_was_started(runs, monkeypatch, tmp_path):
+    """fab -r CHECKOUT from another directory: -i relative to that directory (an operator's
+    own inventory), or to the checkout (inventories/h200); ansible-playbook, which runs in
+    the checkout, gets the absolute path."""
+    mine = tmp_path / "mysite"
+    shutil.copytree(SAMPLE, mine)
+    monkeypatch.chdir(tmp_path)
+    assert fab("prepare", "-i", "mysite") == 0
+    argv = runs[-1]["argv"]
+    assert argv[argv.index("-i") + 1] == str(mine)
+    assert fab("prepare", "-i", "inventories/sample") == 0
+    argv = runs[-1]["argv"]
+    assert argv[argv.index("-i") + 1] == SAMPLE

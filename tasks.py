@@ -96,6 +96,14 @@ PASS_THROUGH: list[str] = []
 LIMIT: list[str] = []
 
 
+class _NamesLoader(yaml.SafeLoader):
+    """YAML as a vars file holds it, values with Ansible's tags (!vault) read as nothing:
+    only the names matter here."""
+
+
+_NamesLoader.add_multi_constructor("!", lambda loader, suffix, node: None)
+
+
 def _extra_var_names(value: str) -> set[str]:
     """The names an -e value sets, read as ansible-playbook reads it: @FILE, a YAML or
     JSON mapping, or KEY=VALUE pairs; exit 2 for a value it would refuse."""
@@ -111,7 +119,7 @@ def _extra_var_names(value: str) -> set[str]:
         if text.startswith("$ANSIBLE_VAULT"):
             return set()  # encrypted: Ansible decrypts it with the vault password
         try:
-            data = yaml.load(text, Loader=yaml.BaseLoader)  # noqa: S506 (reads names only)
+            data = yaml.load(text, Loader=_NamesLoader)  # noqa: S506 (safe, tags ignored)
         except yaml.YAMLError:
             data = None
     elif value.lstrip().startswith("{"):

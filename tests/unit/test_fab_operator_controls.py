@@ -107,7 +107,8 @@ def test_an_extra_vars_file_is_read_for_its_names(runs, capsys, tmp_path):
     bad = tmp_path / "bad.yml"
     bad.write_text("gpufleet_runtime: image\n")
     good = tmp_path / "good.yml"
-    good.write_text("nvidia_driver_install: true\n")
+    good.write_text("nvidia_driver_install: true\nregistry_password: !vault |\n"
+                    "  $ANSIBLE_VAULT;1.1;AES256\n  6162\n")  # a vaulted value: names read
     assert fab("prepare", "-i", SAMPLE, "-e", f"@{bad}") == 2
     assert "gpufleet_runtime: the plan reads this" in capsys.readouterr().err
     assert fab("prepare", "-i", SAMPLE, "-e", f"@{good}") == 0

@@ -17,8 +17,10 @@ from gpufleet_lab import hosts as lab_hosts
 
 ROOT = Path(__file__).parents[2]
 BIN = Path(sys.executable).parent
+# the venv's programs first: molecule and ansible-lint call ansible-config and the like by
+# name, so a run of .venv/bin/pytest without the venv activated finds them too
 ENV = {**os.environ, "ANSIBLE_CONFIG": str(ROOT / "ansible.cfg"), "NO_COLOR": "1",
-       "ANSIBLE_FORCE_COLOR": "0"}
+       "ANSIBLE_FORCE_COLOR": "0", "PATH": f"{BIN}:{os.environ.get('PATH', '')}"}
 
 
 def fab(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:

@@ -57,9 +57,7 @@ def follow(commands: dict[str, list[str]], out=sys.stdout) -> list[str]:
     every one has ended or Ctrl-C; returns a line per host whose command failed."""
     lock = threading.Lock()
     width = max(len(h) for h in commands)
-    procs = {host: subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                    stdin=subprocess.DEVNULL, text=True, errors="replace")
-             for host, argv in commands.items()}
+    procs: dict[str, subprocess.Popen] = {}
     failed: list[str] = []
 
     def pump(host: str, proc: subprocess.Popen) -> None:
@@ -72,10 +70,17 @@ def follow(commands: dict[str, list[str]], out=sys.stdout) -> list[str]:
                 failed.append(f"{host}: exit {proc.returncode}: "
                               f"{said[-1] if said else 'no message'}")
 
-    threads = [threading.Thread(target=pump, args=item, daemon=True) for item in procs.items()]
-    for t in threads:
-        t.start()
+    # Ctrl-C may come as soon as the first line shows, before every follower has started:
+    # all of it is inside the try
     try:
+        for host, argv in commands.items():
+            procs[host] = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                           stdin=subprocess.DEVNULL, text=True,
+                                           errors="replace")
+        threads = [threading.Thread(target=pump, args=item, daemon=True)
+                   for item in procs.items()]
+        for t in threads:
+            t.start()
         for t in threads:
             t.join()
     except KeyboardInterrupt:

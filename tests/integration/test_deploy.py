@@ -12,6 +12,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import time
 
@@ -56,12 +57,15 @@ def test_fab_logs_prints_and_follows_the_units_journal(lab):
     assert "==> lab1 gpufleet-decode.service (active) <==" in proc.stdout
     follower = subprocess.Popen([str(BIN / "fab"), "logs", "--target", "h200-pd-1node",
                                  "--role", "decode", "-n", "5", "-f"], cwd=ROOT,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                # SIGINT at its default, as on a terminal (a run started in
+                                # the background inherits it ignored)
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         first = follower.stdout.readline()  # the history comes at once
         assert first.startswith("lab1 | "), first + follower.stderr.read()
     finally:
-        follower.send_signal(2)  # Ctrl-C
+        follower.send_signal(signal.SIGINT)  # Ctrl-C
         rc = follower.wait(timeout=60)
     assert rc == 0, follower.stderr.read()
 

@@ -74,7 +74,10 @@ def test_ctrl_c_ends_every_follower(tmp_path):
     shell = f"echo $$ > {pidfile}; echo up; exec sleep 60"
     script = ("from gpufleet import follow; "
               f"print(follow.follow({{'h': ['sh', '-c', {shell!r}]}}), flush=True)")
-    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    # Ctrl-C as a terminal sends it: the child's SIGINT at its default, which Python turns
+    # into KeyboardInterrupt (a run started in the background inherits it ignored)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert proc.stdout.readline() == "h | up\n"
     proc.send_signal(signal.SIGINT)
     assert proc.wait(timeout=30) == 0 and proc.stdout.read() == "[]\n"

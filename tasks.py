@@ -553,8 +553,8 @@ def _status(p, inventory, roles=None, journal=0):
     per_host = _reports(report)
     # a planned host that reported nothing (unreachable, failed, or its play published no
     # result) is named, never read as a host with no units; with --limit, of the hosts the
-    # run was given
-    expected = set(_limited(p, inventory) or p.hosts)
+    # run was given (those in its stats, which _ansible resolved the pattern to)
+    expected = set(p.hosts) & set(report.get("stats", {})) if LIMIT else set(p.hosts)
     return per_host, sorted(set(_unreachable(report)) | (expected - set(per_host)))
 
 

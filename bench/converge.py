@@ -133,8 +133,8 @@ def defaults_cfg(workdir: Path) -> str:
                 "fact_caching_timeout"):
         cfg.remove_option("defaults", key)
     cfg["ssh_connection"] = {"pipelining": "False", "ssh_args": "-o ControlMaster=no"}
-    for key in ("roles_path", "library", "module_utils", "lookup_plugins", "filter_plugins"):
-        cfg["defaults"][key] = str(ROOT / cfg["defaults"][key])
+    # the collection (the checkout, through collections/) from wherever this file is
+    cfg["defaults"]["collections_path"] = str(ROOT / "collections")
     path = workdir / "ansible-defaults.cfg"
     with path.open("w") as fh:
         cfg.write(fh)

@@ -54,12 +54,12 @@ def _dry_parse(tmp_path, processes: list[dict]) -> subprocess.CompletedProcess:
          "common_dry_parse_processes": processes}))
     (tmp_path / "dry_parse.yml").write_text(
         "- hosts: lab1\n  gather_facts: false\n  tasks:\n"
-        "    - ansible.builtin.include_role:\n        name: common\n"
+        "    - ansible.builtin.include_role:\n        name: gpufleet.fleet.common\n"
         "        tasks_from: dry_parse\n")
     return subprocess.run(
         [str(BIN / "ansible-playbook"), str(tmp_path / "dry_parse.yml"),
          "-e", f"@{tmp_path / 'vars.json'}"], cwd=ROOT, capture_output=True, text=True,
-        env={**ENV, "ANSIBLE_ROLES_PATH": str(ROOT / "roles")}, timeout=600, check=False)
+        env=ENV, timeout=600, check=False)
 
 
 def test_a_flag_the_installed_engine_refuses_stops_the_host_unchanged(deployed, tmp_path):

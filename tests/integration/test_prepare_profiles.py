@@ -73,8 +73,8 @@ FABRIC_PLAY = """
   vars:
     gpufleet_host: "{{ fabric_plan[inventory_hostname] }}"
   roles:
-    - role: fabric_manager
-    - role: health
+    - role: gpufleet.fleet.fabric_manager
+    - role: gpufleet.fleet.health
 """
 
 

@@ -262,12 +262,12 @@ def test_real_vllm_refuses_a_wrong_flag_in_its_own_words(installed, tmp_path, st
          "common_dry_parse_report": False}))
     (tmp_path / "dry_parse.yml").write_text(
         f"- hosts: {HOST}\n  gather_facts: false\n  tasks:\n"
-        "    - ansible.builtin.include_role:\n        name: common\n"
+        "    - ansible.builtin.include_role:\n        name: gpufleet.fleet.common\n"
         "        tasks_from: dry_parse\n")
     proc = subprocess.run(
         [str(BIN / "ansible-playbook"), "-i", "inventories/lab", str(tmp_path / "dry_parse.yml"),
          "-e", f"@{tmp_path / 'vars.json'}"], cwd=ROOT, capture_output=True, text=True,
-        env={**ENV, "ANSIBLE_ROLES_PATH": str(ROOT / "roles")}, timeout=600, check=False)
+        env=ENV, timeout=600, check=False)
     said = " ".join(proc.stdout.split())
     assert proc.returncode != 0, said[-3000:]
     assert (f"process decode: vllm 0.33.0 in {VENV} refuses its command line: vllm serve: "

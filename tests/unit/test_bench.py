@@ -140,5 +140,5 @@ def test_converge_bench_reads_ansible_output_and_writes_ansible_defaults(tmp_pat
         assert key not in cfg["defaults"]
     assert cfg["ssh_connection"]["pipelining"] == "False"
     assert "ControlMaster=no" in cfg["ssh_connection"]["ssh_args"]
-    assert Path(cfg["defaults"]["roles_path"]).is_absolute()
+    assert Path(cfg["defaults"]["collections_path"]).is_absolute()
     assert converge.machine_cpu_s() > 0

@@ -17,13 +17,14 @@ import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[2]
-PLAYBOOK = REPO / ".venv" / "bin" / "ansible-playbook"
+PLAYBOOK = Path(sys.executable).with_name("ansible-playbook")
 PLAY = [{
     "hosts": "localhost", "connection": "local", "gather_facts": False,
     "vars": {"gpufleet_host": {"name": "localhost", "plan_hosts": ["localhost"],
                                "checkpoint": {"path": "/tmp/gpufleet-cache-role-test",
                                               "models": [{"repo": "zai-org/GLM-5.3-Flash"}]}}},
-    "tasks": [{"ansible.builtin.include_role": {"name": "cache", "tasks_from": "preflight.yml"}},
+    "tasks": [{"ansible.builtin.include_role": {"name": "gpufleet.fleet.cache",
+                                                "tasks_from": "preflight.yml"}},
               {"ansible.builtin.debug": {"msg": "hub={{ __cache_hf_hub_versions['localhost'] }}"}}],
 }]
 DEFAULTS = yaml.safe_load((REPO / "roles" / "cache" / "defaults" / "main.yml").read_text())
@@ -55,7 +56,7 @@ def interpreter(version: str) -> str:
 def run_preflight(tmp_path: Path, python: str) -> subprocess.CompletedProcess:
     play = tmp_path / "play.yml"
     play.write_text(json.dumps(PLAY))
-    env = dict(os.environ, ANSIBLE_ROLES_PATH=str(REPO / "roles"), ANSIBLE_NOCOLOR="1",
+    env = dict(os.environ, ANSIBLE_COLLECTIONS_PATH=str(REPO / "collections"), ANSIBLE_NOCOLOR="1",
                ANSIBLE_LOCALHOST_WARNING="0")
     return subprocess.run([str(PLAYBOOK), "-i", "localhost,", str(play),
                            "-e", f"ansible_python_interpreter={sys.executable}",

@@ -43,7 +43,8 @@ def test_a_second_deploy_of_a_deployment_says_who_holds_it(tmp_path):
 
 def module(tmp_path, holder, state="held", ttl=3600):
     proc = subprocess.run(
-        [str(BIN / "ansible"), "localhost", "-c", "local", "-m", "gpufleet_host_lock", "-a",
+        [str(BIN / "ansible"), "localhost", "-c", "local", "-m",
+         "gpufleet.fleet.gpufleet_host_lock", "-a",
          json.dumps({"holder": holder, "state": state, "ttl_s": ttl,
                      "path": str(tmp_path / "run" / "deploy.lock")})],
         cwd=ROOT, capture_output=True, text=True, timeout=120,

@@ -75,8 +75,6 @@ def test_ansible_builder_makes_a_build_context_that_installs_gpufleet(tmp_path):
     assert (src / "gpufleet" / "catalog" / "targets.yml").is_file()
     assert "openssh-clients [platform:rpm]" in (ctx / "_build" / "bindep.txt").read_text()
     # under ansible-runner, gpufleet's callback (progress lines) wraps runner's
-    assert "ENV ANSIBLE_STDOUT_CALLBACK=gpufleet" in containerfile
-    assert "ENV ANSIBLE_CALLBACK_PLUGINS=/runner/project/gpufleet/ansible_plugins/callback" \
-        in containerfile
-    assert (ROOT / "gpufleet/ansible_plugins/callback/gpufleet.py").is_file()
+    assert "ENV ANSIBLE_STDOUT_CALLBACK=gpufleet.fleet.gpufleet" in containerfile
+    assert (ROOT / "plugins/callback/gpufleet.py").is_file()
 

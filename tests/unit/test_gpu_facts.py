@@ -316,7 +316,7 @@ def test_ansible_module_against_simulated_h200(tmp_path):
         os.environ,
         PATH=f"{bindir}:{os.environ['PATH']}",
         GPUFLEET_LAB_ROOT=str(tmp_path),
-        ANSIBLE_MODULE_UTILS=str(REPO / "gpufleet/module_utils"),
+        ANSIBLE_COLLECTIONS_PATH=str(REPO / "collections"),  # the checkout's gpufleet.fleet
         ANSIBLE_STDOUT_CALLBACK="json",
         ANSIBLE_LOAD_CALLBACK_PLUGINS="1",
         ANSIBLE_LOCALHOST_WARNING="0",
@@ -328,9 +328,7 @@ def test_ansible_module_against_simulated_h200(tmp_path):
             "-c",
             "local",
             "-m",
-            "gpu_facts",
-            "-M",
-            str(REPO / "gpufleet/ansible_plugins/modules"),
+            "gpufleet.fleet.gpu_facts",
             "--check",
             # the module runs on this test's interpreter: scripts/host-pythons runs this
             # file under every host Python 3.8 .. 3.13

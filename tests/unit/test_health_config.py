@@ -184,7 +184,8 @@ def test_the_role_hands_the_filter_its_declared_settings():
     the lookup, and each has its default."""
     tasks = yaml.safe_load((ROLE / "tasks" / "install.yml").read_text())
     (task,) = [t for t in tasks if "gpufleet_health_config" in str(t)]
-    assert "gpufleet_health_config(lookup('gpufleet_role_options', prefix='health_')" in \
-        task["ansible.builtin.copy"]["content"]
+    content = " ".join(task["ansible.builtin.copy"]["content"].split())
+    assert "gpufleet.fleet.gpufleet_health_config(lookup('gpufleet.fleet.gpufleet_role_options', " \
+        "prefix='health_')" in content
     declared = {n for n in spec_options(ROLE) if n.startswith("health_")}
     assert declared == {n for n in DEFAULTS if n.startswith("health_")}

@@ -23,6 +23,7 @@ PLUGINS = PACKAGE / "ansible_plugins"
 MODULES = sorted(p for p in (PLUGINS / "modules").glob("*.py") if not p.name.startswith("_"))
 LOOKUPS = sorted(p for p in (PLUGINS / "lookup").glob("*.py") if not p.name.startswith("_"))
 DOCS = ("DOCUMENTATION", "EXAMPLES", "RETURN")
+COLLECTION = "gpufleet.fleet."  # galaxy.yml: the examples call the plugins by full name
 # what a task may carry besides its module: Ansible's own task keywords (and with_* loops)
 TASK_KEYWORDS = set(Task.fattributes)
 # keywords every lookup call takes, whatever the plugin
@@ -220,12 +221,13 @@ def test_module_examples_call_it_with_its_options(path):
     parsed = docs(path)
     options = parsed["DOCUMENTATION"].get("options") or {}
     required = {name for name, spec in options.items() if spec.get("required")}
+    fqcn = COLLECTION + path.stem  # as a site's playbook calls it
     for task in parsed["EXAMPLES"]:
         others = {k for k in task if k not in TASK_KEYWORDS and not k.startswith("with_")}
-        assert others == {path.stem}, (
+        assert others == {fqcn}, (
             f"{path.name}: example {task.get('name')!r} calls {sorted(others) or 'nothing'}, "
-            f"not {path.stem}")
-        args = task[path.stem] or {}
+            f"not {fqcn}")
+        args = task[fqcn] or {}
         assert isinstance(args, dict), f"{path.name}: example {task['name']!r}: args as a mapping"
         unknown = sorted(set(args) - set(options))
         assert not unknown, (f"{path.name}: example {task['name']!r} passes {unknown}, which "
@@ -276,8 +278,9 @@ def test_lookup_examples_call_it_with_its_options(path):
     parsed = docs(path)
     options = set(parsed["DOCUMENTATION"].get("options") or {}) | LOOKUP_KEYWORDS
     for task in parsed["EXAMPLES"]:
-        calls = [c for text in strings_in(task) for c in lookup_calls(text, path.stem)]
-        assert calls, f"{path.name}: example {task['name']!r} does not call lookup('{path.stem}')"
+        fqcn = COLLECTION + path.stem
+        calls = [c for text in strings_in(task) for c in lookup_calls(text, fqcn)]
+        assert calls, f"{path.name}: example {task['name']!r} does not call lookup('{fqcn}')"
         for arguments in calls:
             unknown = sorted(top_level_keywords(arguments) - options)
             assert not unknown, (f"{path.name}: example {task['name']!r} passes {unknown}, "

@@ -98,7 +98,9 @@ def test_under_ansible_runner_the_progress_is_plain_lines_too(tmp_path):
         private_data_dir=str(tmp_path), playbook="play.yml", inventory="localhost,",
         quiet=True, cmdline=f"-c local -e ansible_python_interpreter={sys.executable}",
         envvars={"PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
-                 "ANSIBLE_LOCALHOST_WARNING": "0", **ee})
+                 "ANSIBLE_LOCALHOST_WARNING": "0",
+                 # the collection, as the project's ansible.cfg names it
+                 "ANSIBLE_COLLECTIONS_PATH": str(ROOT / "collections"), **ee})
     out = run.stdout.read()
     assert (run.status, run.rc) == ("successful", 0), out
     assert "progress: localhost: zai-org/GLM-5.3-Flash:   0.0% 0 B of 9.0 GiB" in out

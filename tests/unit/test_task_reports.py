@@ -59,7 +59,9 @@ BOOK = """
       always:
         - name: {name} | publish
           ansible.builtin.set_stats:
-            data: {{gpufleet_report: "{{{{ __out | default({{}}) | gpufleet_command_report }}}}"}}
+            data:
+              gpufleet_report: >-
+                {{{{ __out | default({{}}) | gpufleet.fleet.gpufleet_command_report }}}}
             per_host: true
             aggregate: false
 """

@@ -27,7 +27,8 @@ def health_config(slice_: dict, options: dict, fabric_external: bool = False) ->
     class Options(dict):
         def __missing__(self, name):
             raise ValueError(f"gpufleet_health_config: no health_{name} among the settings; "
-                             "pass lookup('gpufleet_role_options', prefix='health_')")
+                             "pass lookup('gpufleet.fleet.gpufleet_role_options', "
+                             "prefix='health_')")
 
     opt = Options(options or {})
     restart_enabled = _bool("restart_enabled", opt["restart_enabled"])

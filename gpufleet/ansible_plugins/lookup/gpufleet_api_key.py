@@ -30,7 +30,7 @@ EXAMPLES = r"""
 # roles/serve: the key the gateway serves with (no_log: it is a secret).
 - name: The deployment's API key, read and checked, or made once
   ansible.builtin.set_fact:
-    __serve_api_key: "{{ lookup('gpufleet_api_key', gpufleet_host.api.key_file) }}"
+    __serve_api_key: "{{ lookup('gpufleet.fleet.gpufleet_api_key', gpufleet_host.api.key_file) }}"
   no_log: true
 
 # Where the controller has no key file (a new clone, another operator, a job runner's
@@ -39,7 +39,7 @@ EXAMPLES = r"""
 - name: Read and checked, or kept, or made once
   ansible.builtin.set_fact:
     __serve_api_key: >-
-      {{ lookup('gpufleet_api_key', gpufleet_host.api.key_file,
+      {{ lookup('gpufleet.fleet.gpufleet_api_key', gpufleet_host.api.key_file,
                 on_host=(__serve_key_on_host.content | default('') | b64decode)) }}
   no_log: true
 """

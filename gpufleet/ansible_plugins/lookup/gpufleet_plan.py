@@ -107,11 +107,13 @@ EXAMPLES = r"""
     gpufleet_plan: >-
       {{ gpufleet_plan if groups['gpufleet_planned'] is defined
          else gpufleet_plan_json if gpufleet_plan_json is defined
-         else lookup('gpufleet_plan') }}
+         else lookup('gpufleet.fleet.gpufleet_plan') }}
 
 - name: The plan of a target named here, not the inventory's gpufleet_target
   ansible.builtin.debug:
-    msg: "{{ lookup('gpufleet_plan', 'h200-pd-1node').processes | map(attribute='name') }}"
+    msg: >-
+      {{ lookup('gpufleet.fleet.gpufleet_plan', 'h200-pd-1node').processes
+         | map(attribute='name') }}
 """
 
 RETURN = r"""

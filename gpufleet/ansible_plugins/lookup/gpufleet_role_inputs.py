@@ -29,7 +29,7 @@ EXAMPLES = r"""
 # it last converged (each role's tasks/main.yml passes it as gpufleet_state's digest).
 - name: This role's inputs, hashed
   ansible.builtin.debug:
-    msg: "{{ lookup('gpufleet_role_inputs') }}"
+    msg: "{{ lookup('gpufleet.fleet.gpufleet_role_inputs') }}"
 """
 
 RETURN = r"""

@@ -22,8 +22,8 @@ EXAMPLES = r"""
 - name: The checker's config from the plan and this role's health_* settings
   ansible.builtin.copy:
     content: >-
-      {{ gpufleet_host | gpufleet_health_config(lookup('gpufleet_role_options',
-         prefix='health_')) | to_json }}
+      {{ gpufleet_host | gpufleet.fleet.gpufleet_health_config(
+           lookup('gpufleet.fleet.gpufleet_role_options', prefix='health_')) | to_json }}
     dest: /etc/gpufleet/health.json
 """
 

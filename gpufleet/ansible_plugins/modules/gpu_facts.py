@@ -70,14 +70,14 @@ EXAMPLES = r"""
 # HCAs), plus the CPU architecture and apt's package lists. check_mode: false keeps the
 # facts fresh in a dry run too (the module changes nothing).
 - name: GPUs, fabric, HCAs, CPU architecture, apt's lists
-  gpu_facts:
+  gpufleet.fleet.gpu_facts:
     timeout: "{{ preflight_tool_timeout }}"
   check_mode: false
 
 # After the driver role changed packages: the device inventory alone, read by the next
 # task as ansible_facts.gpufleet_gpu (driver_version, kernel_module, persistence_mode).
 - name: GPU facts now
-  gpu_facts:
+  gpufleet.fleet.gpu_facts:
     collect: [gpu]
     timeout: "{{ nvidia_driver_tool_timeout }}"
   check_mode: false
@@ -85,14 +85,14 @@ EXAMPLES = r"""
 # The RDMA role's check: ansible_facts.gpufleet_ib.all_active says every HCA has an
 # Active port, .peermem_loaded that nvidia_peermem is loaded.
 - name: HCAs and modules now
-  gpu_facts:
+  gpufleet.fleet.gpu_facts:
     collect: [ib]
     timeout: "{{ rdma_tool_timeout }}"
   check_mode: false
 
 # IMEX: poll until every peer of the NVLink domain is connected.
 - name: Every peer connected (nvidia-imex-ctl -N)
-  gpu_facts:
+  gpufleet.fleet.gpu_facts:
     collect: [gpu, imex]
     timeout: "{{ imex_tool_timeout }}"
   register: __imex_facts
@@ -177,7 +177,11 @@ import os  # noqa: E402
 import platform  # noqa: E402
 
 from ansible.module_utils.basic import AnsibleModule  # noqa: E402
-from ansible.module_utils.gpu_facts import find_nvswitches, gpu_facts, ib_facts  # noqa: E402
+from ansible_collections.gpufleet.fleet.plugins.module_utils.gpu_facts import (
+    find_nvswitches,
+    gpu_facts,
+    ib_facts,
+)  # noqa: E402
 
 ALL = ["gpu", "topology", "nvlink", "fabric_manager", "imex", "ib"]
 QUERY = (

@@ -59,7 +59,7 @@ EXAMPLES = r"""
 # floor of their own (gpufleet_cache_min_free_gib, the preflight role's
 # preflight_cache_min_free_gib).
 - name: This host against the plan (check_host)
-  gpufleet_host_check:
+  gpufleet.fleet.gpufleet_host_check:
     check: host
     requirements: "{{ gpufleet_host }}"
     gpu: "{{ ansible_facts.gpufleet_gpu }}"
@@ -75,7 +75,7 @@ EXAMPLES = r"""
 # After a preparation role, with fresh gpu_facts: what it set up is in place. The
 # caller asserts that __common_prepared.problems is empty and prints them otherwise.
 - name: What the fabric manager role set up (check_prepared)
-  gpufleet_host_check:
+  gpufleet.fleet.gpufleet_host_check:
     check: prepared
     requirements: {fabric_manager: true}
     gpu: "{{ ansible_facts.gpufleet_gpu }}"
@@ -124,7 +124,11 @@ import json  # noqa: E402
 import os  # noqa: E402
 
 from ansible.module_utils.basic import AnsibleModule  # noqa: E402
-from ansible.module_utils.preflight import check_host, check_prepared, listeners  # noqa: E402
+from ansible_collections.gpufleet.fleet.plugins.module_utils.preflight import (
+    check_host,
+    check_prepared,
+    listeners,
+)  # noqa: E402
 
 
 def nearest_existing(path):

@@ -42,13 +42,13 @@ EXAMPLES = r"""
 # host before any unit changes. gpufleet_controller is user@controller, set by
 # playbooks/plan.yml.
 - name: One deploy at a time
-  gpufleet_host_lock:
+  gpufleet.fleet.gpufleet_host_lock:
     holder: "{{ gpufleet_controller }}"
     ttl_s: "{{ gpufleet_deploy_lock_ttl_s | default(3600) }}"
 
 # The last play, once every unit serves. A lock another holder took meanwhile is left alone.
 - name: Released
-  gpufleet_host_lock:
+  gpufleet.fleet.gpufleet_host_lock:
     holder: "{{ gpufleet_controller }}"
     state: released
 """

@@ -52,19 +52,19 @@ options:
 
 EXAMPLES = r"""
 - name: Out of its routers' pools
-  gpufleet_pool:
+  gpufleet.fleet.gpufleet_pool:
     state: out
     move: "{{ restart_proc.readiness.pool }}"
   delegate_to: "{{ restart_proc.readiness.pool.routers[0].host }}"
 
 - name: Back in, and listed healthy by every router
-  gpufleet_pool:
+  gpufleet.fleet.gpufleet_pool:
     state: in
     move: "{{ restart_proc.readiness.pool }}"
   delegate_to: "{{ restart_proc.readiness.pool.routers[0].host }}"
 
 - name: The workers the plan drops leave this router's pool
-  gpufleet_pool:
+  gpufleet.fleet.gpufleet_pool:
     state: dropped
     drop: "{{ item.readiness.drop }}"
   loop: "{{ gpufleet_host.processes | selectattr('readiness.drop', 'defined') | list }}"
@@ -85,7 +85,12 @@ elapsed:
 import time
 
 from ansible.module_utils.basic import AnsibleModule
-from ansible.module_utils.pool import PoolError, back, dropped, out
+from ansible_collections.gpufleet.fleet.plugins.module_utils.pool import (
+    PoolError,
+    back,
+    dropped,
+    out,
+)
 
 
 def main():

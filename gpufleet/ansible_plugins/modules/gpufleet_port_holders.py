@@ -22,7 +22,7 @@ EXAMPLES = r"""
 # take. A changed unit of a later order that holds one (a pool's router moving to another
 # port, say) is stopped first, since it is restarted later in this run anyway.
 - name: Who holds the ports the changed units take
-  gpufleet_port_holders:
+  gpufleet.fleet.gpufleet_port_holders:
     ports: >-
       {{ __serve_procs | selectattr('order', 'equalto', serve_level)
          | selectattr('unit', 'in', __serve_changed)
@@ -32,7 +32,7 @@ EXAMPLES = r"""
   when: not ansible_check_mode
 
 - name: Who listens on the prefill and decode workers' ports
-  gpufleet_port_holders:
+  gpufleet.fleet.gpufleet_port_holders:
     ports: [8001, 8002]
   register: __holders
 """
@@ -54,7 +54,9 @@ units:
 """
 
 from ansible.module_utils.basic import AnsibleModule
-from ansible.module_utils.sockets import holders
+from ansible_collections.gpufleet.fleet.plugins.module_utils.sockets import (
+    holders,
+)
 
 
 def main():

@@ -49,7 +49,7 @@ EXAMPLES = r"""
 # from the unit's own process. The role reports a failure itself, with the journal lines
 # the module returns, so failed_when is off here.
 - name: "Health and one token: {{ serve_proc.name }}"
-  gpufleet_ready:
+  gpufleet.fleet.gpufleet_ready:
     unit: "{{ serve_proc.unit }}"
     url: "{{ serve_proc.readiness.url }}"
     generate_url: "{{ serve_proc.readiness.generate_url | default(omit) }}"
@@ -63,7 +63,7 @@ EXAMPLES = r"""
 # fab restart, one unit at a time: it fails the play itself when the unit does not serve.
 # A rank above 0 of a multi-node engine has no URL (its rank 0 answers for it).
 - name: "Wait until it serves: {{ restart_one.unit }}"
-  gpufleet_ready:
+  gpufleet.fleet.gpufleet_ready:
     unit: "{{ restart_one.unit }}"
     url: "{{ restart_one.readiness.url }}"
     generate_url: "{{ restart_one.readiness.generate_url | default(omit) }}"
@@ -105,7 +105,9 @@ import urllib.error
 import urllib.request
 
 from ansible.module_utils.basic import AnsibleModule
-from ansible.module_utils.sockets import strangers
+from ansible_collections.gpufleet.fleet.plugins.module_utils.sockets import (
+    strangers,
+)
 
 
 def unit_state(unit):

@@ -85,9 +85,9 @@ EXAMPLES = r"""
 # nothing it recorded drifted, the role has nothing to do (and its exported facts are
 # back). check_mode: false lets a dry run say what would change.
 - name: Converged, nothing drifted?
-  gpufleet_state:
+  gpufleet.fleet.gpufleet_state:
     role: rdma
-    digest: "{{ lookup('gpufleet_role_inputs') }}"
+    digest: "{{ lookup('gpufleet.fleet.gpufleet_role_inputs') }}"
     observed: "{{ __rdma_observed }}"
   register: __rdma_state
   check_mode: false
@@ -95,7 +95,7 @@ EXAMPLES = r"""
 # The role's last task once it converged (roles/common/tasks/record.yml): the digest
 # the check returned and what the role manages, as it is now.
 - name: "Record what converged: rdma"
-  gpufleet_state:
+  gpufleet.fleet.gpufleet_state:
     role: rdma
     state: record
     digest: "{{ __rdma_state.digest }}"
@@ -107,7 +107,7 @@ EXAMPLES = r"""
   when: not ansible_check_mode
 
 - name: "Record what converged: health"
-  gpufleet_state:
+  gpufleet.fleet.gpufleet_state:
     role: health
     state: record
     digest: "{{ __health_state.digest }}"

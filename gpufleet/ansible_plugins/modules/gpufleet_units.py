@@ -28,7 +28,7 @@ EXAMPLES = r"""
 # fab status and fab logs (playbooks/status.yml): this host's units, or those of the
 # roles asked for, with their journal where fab logs asks for it.
 - name: Units
-  gpufleet_units:
+  gpufleet.fleet.gpufleet_units:
     processes: >-
       {{ gpufleet_host.processes | selectattr('role', 'in', status_roles) | list
          if status_roles is defined else gpufleet_host.processes }}
@@ -38,7 +38,7 @@ EXAMPLES = r"""
 # The deploy's last check (playbooks/verify.yml): read twice, a moment apart, so that a
 # unit restarting in a loop shows in its restart count.
 - name: State and restart count
-  gpufleet_units:
+  gpufleet.fleet.gpufleet_units:
     processes: "{{ gpufleet_host.processes }}"
   register: __verify_units
 """

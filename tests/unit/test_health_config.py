@@ -171,7 +171,7 @@ def test_wrong_calls_name_the_fix():
     options = dict(SETTINGS)
     del options["textfile"]
     with pytest.raises(ValueError, match=r"no health_textfile among the settings; pass "
-                                         r"lookup\('gpufleet_role_options'"):
+                                         r"lookup\('gpufleet.fleet.gpufleet_role_options'"):
         health_config(host_slices(plan.to_json())["workers-1"], options)
     with pytest.raises(ValueError, match="health_restart_enabled must be true or false"):
         config(plan, "workers-1", restart_enabled="maybe")

@@ -228,7 +228,9 @@ def test_fab_reads_what_the_plays_publish_not_their_task_names(lab, tmp_path):
     """fab status, health and acceptance read each host's published result (set_stats):
     the project copied with every play and task of their playbooks renamed answers alike."""
     copy = tmp_path / "renamed"
-    shutil.copytree(ROOT, copy, ignore=shutil.ignore_patterns(
+    # symlinks as links: collections/ links the checkout back as the collection (relative,
+    # so the copy's link names the copy)
+    shutil.copytree(ROOT, copy, symlinks=True, ignore=shutil.ignore_patterns(
         ".git", ".venv", "__pycache__", "*.egg-info", ".ruff_cache"))
     for book in ("plan", "status", "health_report", "acceptance"):
         path = copy / "playbooks" / f"{book}.yml"

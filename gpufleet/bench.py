@@ -1,12 +1,13 @@
 """`fab bench`: a serving load test against a deployment, in the vLLM recipe's shape (seed 000).
 
 The client is AIPerf (NVIDIA's OpenAI-compatible load generator, from PyPI). It lives
-in its own virtual environment, .venv-bench, made on first use from
-bench/requirements.txt, because it pins a huggingface-hub older than the one the
-cache code is tested with. Its tokenizer is the deployment's own, fetched (tokenizer
-files only) through the same Hugging Face endpoint the cache uses. The API key goes to
-AIPerf through its environment and a `${OPENAI_API_KEY}` reference in the config file,
-never on a command line.
+in its own virtual environment (.venv-bench in a checkout, else under the user's
+cache directory), made on first use from gpufleet/bench-requirements.txt, because it
+pins a huggingface-hub older than the one the cache code is tested with. Its tokenizer
+is the deployment's own, fetched (tokenizer files only) through the same Hugging Face
+endpoint the cache uses. The API key goes to AIPerf through its environment and a
+`${OPENAI_API_KEY}` reference in the config file, and the deployment's CA through
+SSL_CERT_FILE, never on a command line.
 """
 
 from __future__ import annotations
@@ -21,9 +22,13 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-VENV = ROOT / ".venv-bench"
-REQUIREMENTS = ROOT / "bench" / "requirements.txt"
-RESULTS = ROOT / "bench" / "results"
+REQUIREMENTS = Path(__file__).with_name("bench-requirements.txt")
+if (ROOT / "bench" / "results").is_dir():  # a checkout: its .venv-bench and bench/results
+    VENV, RESULTS = ROOT / ".venv-bench", ROOT / "bench" / "results"
+else:  # an installed package: the user's cache, and the directory fab runs in
+    VENV = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "gpufleet" / \
+        "venv-bench"
+    RESULTS = Path("bench-results")
 TOKENIZER_FILES = ["tokenizer*", "config.json", "generation_config.json",
                    "special_tokens_map.json", "*.jinja"]
 # AIPerf metric tag -> label in the table
@@ -117,6 +122,9 @@ def run(plan, key: str | None, *, concurrency: int, prompts: int, input_len: int
         plan, plan.endpoint, tok, key is not None, concurrency=concurrency, prompts=prompts,
         input_len=input_len, output_len=output_len, artifacts=artifacts)))
     env = {**os.environ, "OPENAI_API_KEY": key or ""}
+    ca = (plan.api.get("tls") or {}).get("ca_file")
+    if ca:  # the client verifies the endpoint's certificate with the deployment's CA
+        env["SSL_CERT_FILE"] = ca
     t0 = time.monotonic()
     proc = subprocess.run([str(exe), "profile", "--config", str(cfg)], env=env,
                           capture_output=True, text=True, check=False)
@@ -129,7 +137,7 @@ def run(plan, key: str | None, *, concurrency: int, prompts: int, input_len: int
         "target": plan.target.name, "endpoint": plan.endpoint,
         "engines": "lab stand-ins (not GLM-5.3: the figures measure gpufleet's serving path, "
                    "routers and gateway, not a GPU)" if lab else "real",
-        "client": "aiperf (bench/requirements.txt)",
+        "client": "aiperf (gpufleet/bench-requirements.txt)",
         "shape": {"input_tokens": input_len, "output_tokens": output_len,
                   "concurrency": concurrency, "prompts": prompts},
         "wall_s": round(took, 1),

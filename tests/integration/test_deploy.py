@@ -14,10 +14,11 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
-from labutil import BIN, ROOT, changed_tasks, fab, playbook, recap, ssh
+from labutil import BIN, ENV, ROOT, changed_tasks, fab, playbook, recap, ssh
 
 from gpufleet_lab import hosts as lab_hosts
 
@@ -38,7 +39,7 @@ def deployed(target: str, *extra: str) -> subprocess.CompletedProcess:
 def test_vllm_pd_deploys_and_passes_the_smoke_test(lab):
     proc = deployed("h200-pd-1node")
     assert "models          ok" in proc.stdout and "tool_call       ok" in proc.stdout
-    assert "endpoint: http://10.213.77.11:8000/v1" in proc.stdout
+    assert "endpoint: https://10.213.77.11:8000/v1" in proc.stdout
     state = units("h200-pd-1node")
     assert {u["active"] for u in state.values()} == {"active"}
     assert all(u["ready"] for u in state.values())
@@ -240,8 +241,10 @@ def test_fab_reads_what_the_plays_publish_not_their_task_names(lab, tmp_path):
         path.write_text(text)
 
     def answers(root, *args):
-        proc = subprocess.run([str(BIN / "fab"), "-r", str(root), *args, "--target",
-                               "h200-disagg", "--format", "json"], cwd=ROOT,
+        # the fab program of ROOT's checkout: its package first on the path
+        proc = subprocess.run([sys.executable, "-c", "from gpufleet.tasks import main; main()",
+                               *args, "--target", "h200-disagg", "--format", "json"],
+                              cwd=root, env={**ENV, "PYTHONPATH": str(root)},
                               capture_output=True, text=True, timeout=600, check=False)
         return proc.returncode, json.loads(proc.stdout or "null")
 

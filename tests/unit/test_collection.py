@@ -6,7 +6,9 @@ names (ansible.cfg's collections_path reaches the checkout through collections/)
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -101,3 +103,35 @@ def test_built_installed_and_used_from_outside_the_checkout(tmp_path):
                             "--syntax-check"], cwd=site, capture_output=True, text=True,
                            timeout=300, env=env)
     assert check.returncode == 0, check.stdout + check.stderr
+
+    # the fab program of an installed package (no checkout around it) runs the installed
+    # collection's playbooks, from the operator's directory, with the operator's inventory
+    package = tmp_path / "site-packages"
+    shutil.copytree(ROOT / "gpufleet", package / "gpufleet",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    env["PYTHONPATH"] = str(package)
+    env["XDG_CACHE_HOME"] = str(tmp_path / "cache")
+
+    def fab(*args):
+        return subprocess.run([sys.executable, "-c", "from gpufleet.tasks import main; main()",
+                               *args], cwd=site, env=env, capture_output=True, text=True,
+                              timeout=300)
+
+    status = fab("status", "-i", "inventory.yml", "--target", "h200-pd-1node", "--format",
+                 "json")
+    units = json.loads(status.stdout or "{}").get("units")
+    assert units and {u["host"] for u in units} == {"node1"}, status.stdout + status.stderr
+    assert (tmp_path / "cache" / "gpufleet" / "ansible-facts").is_dir()
+    no_inventory = fab("status", "--target", "h200-pd-1node")
+    assert no_inventory.returncode == 2 and "pass -i PATH" in no_inventory.stderr
+    manifest = installed / "ansible_collections/gpufleet/fleet/MANIFEST.json"
+    data = json.loads(manifest.read_text())
+    data["collection_info"]["version"] = "0.0.1"
+    manifest.write_text(json.dumps(data))
+    other = fab("status", "-i", "inventory.yml", "--target", "h200-pd-1node")
+    assert other.returncode == 2 and "is version 0.0.1" in other.stderr, other.stderr
+    manifest.unlink()
+    env["ANSIBLE_COLLECTIONS_PATH"] = str(tmp_path / "nothing")
+    missing = fab("status", "-i", "inventory.yml", "--target", "h200-pd-1node")
+    assert missing.returncode == 2 and "ansible-galaxy collection install" in missing.stderr, \
+        missing.stderr

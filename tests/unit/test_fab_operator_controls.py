@@ -11,7 +11,6 @@ ansible-playbook is recorded, not run."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -26,9 +25,7 @@ from invoke import Program
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 SAMPLE = str(REPO / "inventories" / "sample")
-spec = importlib.util.spec_from_file_location("gpufleet_fab_tasks_operator", REPO / "tasks.py")
-tasks = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(tasks)
+from gpufleet import tasks  # noqa: E402
 
 
 class Calls(list):

@@ -384,7 +384,7 @@ def test_plan_lookup_documents_every_variable_the_planner_reads():
 
 def test_plan_lookup_names_fabs_options():
     """fab plan's options that change the plan (tasks.py `plan`, less -i and --format)."""
-    fab = tree(REPO / "tasks.py")
+    fab = tree(REPO / "gpufleet" / "tasks.py")
     plan = next(n for n in fab.body if isinstance(n, ast.FunctionDef) and n.name == "plan")
     flags = {"--" + a.arg.rstrip("_").replace("_", "-") for a in plan.args.args[1:]
              if a.arg not in ("inventory", "format")}

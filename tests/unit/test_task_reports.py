@@ -5,7 +5,6 @@ never a pass and never a crash."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -15,9 +14,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-spec = importlib.util.spec_from_file_location("gpufleet_fab_tasks", REPO / "tasks.py")
-tasks = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(tasks)
+from gpufleet import tasks  # noqa: E402
 
 
 def report(hosts: dict) -> dict:

@@ -32,15 +32,60 @@ from gpufleet.inventory import InventoryError
 from gpufleet.model import ROLES
 from gpufleet.plan import PlanError
 
-ROOT = Path(__file__).resolve().parent
+# Where the playbooks, roles and ansible.cfg are: the checkout this package runs from (an
+# editable install, the lab's controller), else the collection gpufleet.fleet installed
+# beside the wheel (ansible-galaxy collection install), found when a playbook first runs.
+CHECKOUT = Path(__file__).resolve().parents[1]
+IN_CHECKOUT = (CHECKOUT / "galaxy.yml").is_file() and (CHECKOUT / "playbooks").is_dir()
 # The lab (lab/, apart from the installed package) adds `fab lab.*` where it is present.
-LAB = ROOT / "lab"
-DEFAULT_INVENTORY = "inventories/lab"
-# `fab targets | head -1`: a closed pipe ends the output quietly, as for any command-line tool
-# (only in the fab program: a process that imports this module, a test run, keeps Python's
-# own handling, where a closed pipe is an error the code sees)
-if Path(sys.argv[0]).name in ("fab", "invoke", "inv"):
-    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+LAB = CHECKOUT / "lab"
+# the lab's inventory in the checkout; an installed gpufleet needs -i
+DEFAULT_INVENTORY = "inventories/lab" if IN_CHECKOUT else ""
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("gpufleet")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+@functools.cache
+def _project() -> tuple[Path, dict[str, str]]:
+    """The directory the playbooks run from, and the environment ansible-playbook needs
+    there: the checkout with its ansible.cfg; else the installed collection gpufleet.fleet
+    (its own ansible.cfg, the collections path it was found on first, the fact cache
+    under the user's cache directory), at this package's version. Exit 2 where it is
+    missing or another version."""
+    if IN_CHECKOUT:
+        return CHECKOUT, {"ANSIBLE_CONFIG": str(CHECKOUT / "ansible.cfg")}
+    from ansible import constants
+
+    searched = [Path(p).expanduser() for p in
+                [*constants.COLLECTIONS_PATHS, *(p for p in sys.path if p)]]
+    for base in searched:
+        found = base / "ansible_collections" / "gpufleet" / "fleet"
+        if (found / "MANIFEST.json").is_file():
+            break
+    else:
+        raise Exit("gpufleet: the Ansible collection gpufleet.fleet is not installed (searched "
+                   f"{', '.join(map(str, dict.fromkeys(searched)))}). Fix: ansible-galaxy "
+                   f"collection install gpufleet-fleet-{_version()}.tar.gz", code=2)
+    have = json.loads((found / "MANIFEST.json").read_text())["collection_info"]["version"]
+    if have != _version():
+        raise Exit(f"gpufleet: the collection gpufleet.fleet at {found} is version {have}, "
+                   f"this gpufleet is {_version()}: the roles and the planner must match. Fix: "
+                   f"ansible-galaxy collection install --force gpufleet-fleet-{_version()}"
+                   ".tar.gz (or pip install gpufleet=={have})", code=2)
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "gpufleet"
+    return found, {
+        "ANSIBLE_CONFIG": str(found / "ansible.cfg"),
+        "ANSIBLE_COLLECTIONS_PATH": os.pathsep.join(
+            dict.fromkeys([str(base), *map(str, constants.COLLECTIONS_PATHS)])),
+        "ANSIBLE_CACHE_PLUGIN_CONNECTION": str(cache / "ansible-facts"),
+    }
 
 
 def _format(value: str, *choices: str) -> str:
@@ -67,7 +112,8 @@ def _number(flag: str, value, kind=int, low=None, high=None):
 
 PLAN_HELP = {
     "target": "target name (fab targets); default: gpufleet_target from the inventory",
-    "inventory": f"Ansible inventory (default {DEFAULT_INVENTORY})",
+    "inventory": (f"Ansible inventory (default {DEFAULT_INVENTORY})" if DEFAULT_INVENTORY
+                  else "Ansible inventory (a file or directory; required)"),
     "with_": "options to layer on, comma separated (hicache,cp,layer-split,dflash2,fp8-kv)",
     "set_": "override ROLE:--flag=value or ROLE:ENV=value (ROLE: engines, worker, prefill, "
             "decode, router, etcd); repeatable",
@@ -206,6 +252,9 @@ def _with_options(names: tuple[str, ...], **task_kw):
             opts = {n: kwargs.pop(n, ANSIBLE_OPTIONS[n][0]) for n in names}
             param = sig.parameters.get("inventory")
             inventory = kwargs.get("inventory", param.default if param else None)
+            if inventory == "":
+                raise Exit("gpufleet: which inventory? Fix: pass -i PATH (start from a "
+                           "copy of the collection's inventories/sample)", code=2)
             if inventory:
                 kwargs["inventory"] = _inventory_path(inventory)
             with _ansible_options(**opts):
@@ -230,7 +279,7 @@ def _inventory_path(path: str) -> str:
     run in the checkout): relative to the directory fab was started in, else to the checkout
     (inventories/h200 from anywhere, fab -r), else as given (ansible-inventory then says
     what is wrong)."""
-    for base in (Path.cwd(), ROOT):
+    for base in (Path.cwd(), *([CHECKOUT] if IN_CHECKOUT else [])):
         if (base / path).exists():
             return str((base / path).resolve())
     return path
@@ -247,8 +296,8 @@ def inventory_task(**task_kw):
 
 
 def _plan(target, inventory, with_="", set_=None, unset=None, runtime=None):
-    if Path(inventory).resolve() == (ROOT / DEFAULT_INVENTORY).resolve() and \
-            not (ROOT / DEFAULT_INVENTORY / "hosts.yml").exists():
+    if IN_CHECKOUT and Path(inventory).resolve() == (CHECKOUT / DEFAULT_INVENTORY).resolve() \
+            and not (CHECKOUT / DEFAULT_INVENTORY / "hosts.yml").exists():
         fix = "bring the lab up first (fab lab.up) or pass" if LAB.is_dir() else "pass"
         raise Exit(f"gpufleet: the lab inventory does not exist yet. Fix: {fix} -i with your "
                    "inventory", code=2)
@@ -336,7 +385,8 @@ def _ansible(playbook, plan_obj, inventory, extra=None, capture=False, check=Fal
     """Run a playbook (or a list, in one run, sharing the plan) with the plan; with
     capture, return Ansible's JSON result."""
     books = [playbook] if isinstance(playbook, str) else list(playbook)
-    env = {**os.environ, "ANSIBLE_CONFIG": str(ROOT / "ansible.cfg")}
+    root, project_env = _project()
+    env = {**os.environ, **project_env}
     if capture:
         env.update(JSON_RESULT)
     extra_vars = {"gpufleet_plan_json": plan_obj.to_json(), **(extra or {})}
@@ -349,10 +399,10 @@ def _ansible(playbook, plan_obj, inventory, extra=None, capture=False, check=Fal
         limited = _limited(plan_obj, inventory)
         limit = ["--limit", ",".join([*limited, "localhost"])] if limited else []
         cmd = [str(Path(sys.executable).with_name("ansible-playbook")), "-i", inventory,
-               *[str(ROOT / b) for b in books], *limit, *PASS_THROUGH, "-e", f"@{fh.name}"]
+               *[str(root / b) for b in books], *limit, *PASS_THROUGH, "-e", f"@{fh.name}"]
         if check:
             cmd += ["--check", "--diff"]
-        result = subprocess.run(cmd, env=env, cwd=ROOT, check=False,
+        result = subprocess.run(cmd, env=env, cwd=root, check=False,
                                 capture_output=capture, text=True)
     if capture:
         try:
@@ -451,6 +501,14 @@ def deploy(c, target=None, inventory=DEFAULT_INVENTORY, with_="", set_=None, uns
     if p.api.get("key_required"):
         print(f"\napi key:  required; `fab endpoint` prints it (kept 0600 in {p.api['key_file']})")
         auth = f"-H \"Authorization: Bearer $(cat {p.api['key_file']})\" "
+    ca = _ca_file(p)
+    if ca:
+        print(f"tls:      HTTPS; clients verify it with the CA {ca}")
+        auth = f"--cacert {ca} {auth}"
+    elif p.api.get("tls"):
+        print("tls:      HTTPS with the site's certificate (clients' own trust store)")
+    elif p.api.get("key_required"):
+        print("tls:      off (gpufleet_tls: false): the key crosses the network in clear text")
     for other in p.endpoints[1:]:
         print(f"replica:  {other}")
     print(f"endpoint: {p.endpoint}\ntry it:   curl {p.endpoint}/chat/completions {auth}"
@@ -458,6 +516,12 @@ def deploy(c, target=None, inventory=DEFAULT_INVENTORY, with_="", set_=None, uns
           + "\", \"messages\": [{\"role\": \"user\", \"content\": \"Hello\"}]}'")
     for w in p.warnings:
         print(f"warning:  {w}")
+
+
+def _ca_file(p) -> str | None:
+    """The CA file clients verify the endpoint with: the self-signed certificate or the
+    site's gpufleet_tls_ca_file; None: plain HTTP, or the clients' own trust store."""
+    return (p.api.get("tls") or {}).get("ca_file")
 
 
 def _api_key(p, inventory) -> str | None:
@@ -474,21 +538,27 @@ def _api_key(p, inventory) -> str | None:
 @inventory_task(help={"target": PLAN_HELP["target"], "inventory": PLAN_HELP["inventory"],
             "format": "text (default), json, or env (OPENAI_BASE_URL/OPENAI_API_KEY lines)"})
 def endpoint(c, target=None, inventory=DEFAULT_INVENTORY, format="text"):
-    """The deployment's endpoint and API key (made on first deploy, kept 0600 here)."""
+    """The deployment's endpoint, API key and CA (made on first deploy, kept 0600 here)."""
     _format(format, "text", "json", "env")
     p = _deployed(target, inventory)
     key = _api_key(p, inventory)
     if format == "json":
         print(json.dumps({"endpoint": p.endpoint, "endpoints": p.endpoints,
                           "model": p.model.served_name,
-                          "api_key": key, "api_key_file": p.api.get("key_file")}, indent=2))
+                          "api_key": key, "api_key_file": p.api.get("key_file"),
+                          "ca_file": _ca_file(p)}, indent=2))
     elif format == "env":
-        print(f"OPENAI_BASE_URL={p.endpoint}\nOPENAI_API_KEY={key or 'EMPTY'}")
+        # SSL_CERT_FILE: the CA for OpenAI's client (httpx), curl and Python's ssl module
+        ca = f"\nSSL_CERT_FILE={_ca_file(p)}" if _ca_file(p) else ""
+        print(f"OPENAI_BASE_URL={p.endpoint}\nOPENAI_API_KEY={key or 'EMPTY'}{ca}")
     else:
         for other in p.endpoints[1:]:
             print(f"replica:  {other}")
         print(f"endpoint: {p.endpoint}\nmodel:    {p.model.served_name}\n"
               f"api key:  {key or 'none (the deployment was planned with api_key: false)'}")
+        if _ca_file(p):
+            print(f"ca:       {_ca_file(p)} (the certificate clients verify the endpoint "
+                  "with)")
 
 
 @inventory_task(help={"target": PLAN_HELP["target"], "inventory": PLAN_HELP["inventory"],
@@ -623,7 +693,8 @@ def _follow(p, inventory, role, lines):
     units = {h: [x.unit for x in p.processes if x.host == h and role in (None, x.role)]
              for h in hosts}
     hostvars = inventory_mod.load(inventory).hosts
-    base = follow_mod.ssh_args(Path(os.environ.get("ANSIBLE_CONFIG") or ROOT / "ansible.cfg"))
+    base = follow_mod.ssh_args(Path(os.environ.get("ANSIBLE_CONFIG")
+                                    or _project()[1]["ANSIBLE_CONFIG"]))
     commands = {h: follow_mod.command(h, hostvars[h].vars, u, lines, base)
                 for h, u in units.items() if u}
     if not commands:
@@ -757,8 +828,18 @@ def _failure(report: dict, host: str) -> str:
 
 ns = Collection(targets, plan, deploy, endpoint, bench, prepare, cache, smoke, status, logs,
                 restart, teardown, health, acceptance)
-if (LAB / "gpufleet_lab").is_dir():
+if IN_CHECKOUT and (LAB / "gpufleet_lab").is_dir():
     sys.path.insert(0, str(LAB))
     from gpufleet_lab.tasks import lab
 
     ns.add_collection(lab)
+
+
+def main() -> None:
+    """The `fab` and `gpufleet` programs: these tasks, from any directory."""
+    from invoke import Program
+
+    # `fab targets | head -1`: a closed pipe ends the output quietly, as for any
+    # command-line tool (a process that imports this module keeps Python's own handling)
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    Program(namespace=ns, version=_version(), name="gpufleet").run()

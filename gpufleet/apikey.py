@@ -11,6 +11,8 @@ fsynced and renamed, so a full disk leaves no half-written key.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import re
 import secrets
@@ -100,11 +102,24 @@ def from_gateway(text: str) -> str | None:
     return (found.group(1) or found.group(2)) if found else None
 
 
+@contextlib.contextmanager
+def made_once(path: str):
+    """Held while a file of PATH's deployment is read or made: the gateways of several
+    replicas ask at once (one Ansible fork each), and the first makes it for all."""
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    with open(os.path.join(folder, ".lock"), "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        yield
+
+
 def ensure(path: str, on_host: str | None = None) -> str:
     """The deployment's key: PATH's when it exists; else the key the gateway host already
     has (kept, so that a new controller or a fresh HOME rotates nothing); else a new one."""
-    if os.path.lexists(path):
-        return read(path)
-    key = check(on_host, "the gateway host's key") if on_host else secrets.token_urlsafe(36)
-    write(path, key)
-    return key
+    with made_once(path):
+        if os.path.lexists(path):
+            return read(path)
+        key = check(on_host, "the gateway host's key") if on_host else \
+            secrets.token_urlsafe(36)
+        write(path, key)
+        return key

@@ -17,7 +17,7 @@ import shlex
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from . import catalog as cat
 from . import inputs
@@ -69,6 +69,13 @@ class Overrides(BaseModel):
     # the endpoint requires an API key (checked by the gateway in front of the router)
     api_key: bool = True
     api_key_file: str | None = None  # on the controller; default: see plan.api_key_path()
+    # the gateway serves HTTPS: with the site's certificate and key (files on the
+    # controller; ca_file: what clients verify it with, else the system's trust store), or
+    # a self-signed pair gpufleet makes once and keeps (plan.tls_path()); false: plain HTTP
+    tls: bool = True
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    tls_ca_file: str | None = None
     # a single-node target on every host of its group: one independent copy per host
     replicas: bool = False
     # engine role -> how many workers of it run behind the target's one router (default 1
@@ -156,11 +163,33 @@ class Overrides(BaseModel):
         return value if value is None else _named(
             inputs.url, value, f"gpufleet_{info.field_name}", "give the mirror's URL")
 
-    @field_validator("api_key_file")
+    @field_validator("api_key_file", "tls_cert_file", "tls_key_file", "tls_ca_file")
     @classmethod
-    def _key_file(cls, value):
-        return value if value is None else _named(inputs.text, value, "gpufleet_api_key_file",
+    def _key_file(cls, value, info):
+        return value if value is None else _named(inputs.text, value,
+                                                  f"gpufleet_{info.field_name}",
                                                   "name the file on one line")
+
+    @model_validator(mode="after")
+    def _tls_files(self):
+        files = [f"gpufleet_{n}" for n in ("tls_cert_file", "tls_key_file", "tls_ca_file")
+                 if getattr(self, n)]
+        if files and not (self.api_key and self.tls):
+            off = "gpufleet_tls is false" if self.api_key else \
+                "gpufleet_api_key is false (no gateway)"
+            raise ValueError(f"{files[0]} is set, but {off}: no gateway serves TLS. Fix: "
+                             f"drop {', '.join(files)}, or turn TLS on")
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            given, other = (("gpufleet_tls_cert_file", "gpufleet_tls_key_file")
+                            if self.tls_cert_file else
+                            ("gpufleet_tls_key_file", "gpufleet_tls_cert_file"))
+            raise ValueError(f"{given} is set without {other}. Fix: give the certificate "
+                             "and its key, or neither for a self-signed pair gpufleet makes")
+        if self.tls_ca_file and not self.tls_cert_file:
+            raise ValueError("gpufleet_tls_ca_file is set without gpufleet_tls_cert_file: "
+                             "the self-signed certificate is its own CA. Fix: drop "
+                             "gpufleet_tls_ca_file, or give the site's certificate and key")
+        return self
 
     @property
     def pooled(self) -> bool:
@@ -259,6 +288,8 @@ class Readiness:
     generate_url: str | None = None
     models_url: str | None = None
     served_name: str | None = None
+    # an https url: the CA file on the host it is verified with (None: the system's)
+    ca_file: str | None = None
     process: str | None = None
     rolling: bool = False
     rejoin_s: int | None = None
@@ -286,6 +317,7 @@ class HealthCheck:
     depends_on: list[str]
     host_services: bool = False
     drain: bool = False
+    ca_file: str | None = None  # an https url's CA file on the host (None: the system's)
 
 
 @dataclass

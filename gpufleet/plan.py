@@ -20,7 +20,7 @@ from urllib.parse import quote, urlsplit
 
 from pydantic import ValidationError
 
-from . import apikey, inputs, rules
+from . import apikey, inputs, rules, tls
 from . import catalog as cat
 from . import inventory as inv_mod
 from .catalog import lockfile
@@ -105,6 +105,12 @@ def controller_path(kind: str, inventory, suffix: str) -> str:
 def api_key_path(inventory) -> str:
     """Where the controller keeps a deployment's API key (0600)."""
     return controller_path("api-keys", inventory, ".key")
+
+
+def tls_path(inventory, suffix: str) -> str:
+    """Where the controller keeps a deployment's self-signed certificate (.crt, the CA its
+    clients trust) and key (.key, 0600)."""
+    return controller_path("tls", inventory, suffix)
 
 
 def deploy_lock_path(inventory) -> str:
@@ -307,9 +313,9 @@ def compose(
 
     plan = Plan(
         target=target, model=model, engine=engine, hardware=hardware,
-        processes=processes, hosts={}, cache=cache, endpoint=_endpoint(fronts[0]),
+        processes=processes, hosts={}, cache=cache, endpoint=_endpoint(fronts[0], ov),
         warnings=[], options=list(ov.options), inventory=inventory.source,
-        api=_api(ov, inventory, processes), endpoints=[_endpoint(f) for f in fronts],
+        api=_api(ov, inventory, processes), endpoints=[_endpoint(f, ov) for f in fronts],
         hosts_record=hosts_record_path(inventory), pooled=ov.pooled,
         lock_file=deploy_lock_path(inventory),
     )
@@ -671,7 +677,7 @@ def _render(processes, roles, target, model, draft, engine, catalog, cache, ov,
             prefix[0] = f"{source.venv.rstrip('/')}/{prefix[0]}"
         p.argv = prefix + [tok for flag, value in p.args.items()
                            for tok in flag_tokens(flag, value)]
-        p.readiness = _readiness(p, target, model)
+        p.readiness = _readiness(p, target, model, ov)
     for p in processes:
         p.health = _health(p, [q for q in processes if q.host == p.host], model)
     routers = [p for p in processes if p.role == "router"]
@@ -759,20 +765,22 @@ def _health(p: Process, beside: list[Process], model) -> HealthCheck:
     depends_on = {"router": units["engine"] + units["etcd"],
                   "gateway": units["router"] or units["engine"]}.get(
         p.role, units["etcd"] if p.is_engine else [])
-    return HealthCheck(url=p.readiness.url, generate_url=generate,
+    return HealthCheck(url=p.readiness.url, generate_url=generate, ca_file=p.readiness.ca_file,
                        served_name=model.served_name if generate else None,
                        grace_s=p.readiness.timeout_s, depends_on=depends_on,
                        host_services=p.is_engine, drain=p.is_engine)
 
 
-def _readiness(p: Process, target, model) -> Readiness:
+def _readiness(p: Process, target, model, ov: Overrides) -> Readiness:
     if p.role == "etcd":
         return Readiness(url=f"http://{p.address}:{p.ports['client']}/health",
                          timeout_s=ROUTER_TIMEOUT_S)
     if p.role == "gateway":
-        # /health passes the gateway without a key to the process behind it
-        return Readiness(url=f"http://{p.bind}:{p.ports['http']}/health",
-                         timeout_s=ROUTER_TIMEOUT_S)
+        # /health passes the gateway without a key to the process behind it; over TLS,
+        # verified as a client verifies it (the CA the host has, else its trust store)
+        scheme = "https" if ov.tls else "http"
+        return Readiness(url=f"{scheme}://{p.bind}:{p.ports['http']}/health",
+                         timeout_s=ROUTER_TIMEOUT_S, ca_file=_host_ca(ov))
     if p.role == "router":
         return Readiness(url=f"{_local(p)}/health", models_url=f"{_local(p)}/v1/models",
                          served_name=model.served_name, timeout_s=ROUTER_TIMEOUT_S)
@@ -813,6 +821,7 @@ def _api(ov: Overrides, inventory, processes: list[Process]) -> dict:
     # (to the next router where there are several: one of them may be restarting)
     return {"key_required": True,
             "key_file": _key_file(ov, inventory),
+            "tls": _tls(ov, inventory, processes),
             "gateway_conf_dir": GATEWAY_CONF_DIR,
             "retries": GATEWAY_RETRIES if ov.pooled else 0,
             # what the gateway proxies to: a pool's routers (the first, then the others as
@@ -868,8 +877,44 @@ def _exposure(processes: list[Process]) -> dict:
     return out
 
 
-def _endpoint(front: Process) -> str:
-    return f"http://{front.address}:{front.ports['http']}/v1"
+def _endpoint(front: Process, ov: Overrides) -> str:
+    scheme = "https" if ov.api_key and ov.tls else "http"
+    return f"{scheme}://{front.address}:{front.ports['http']}/v1"
+
+
+GATEWAY_CA = f"{GATEWAY_CONF_DIR}/ca.crt"
+
+
+def _host_ca(ov: Overrides) -> str | None:
+    """The CA file a gateway host verifies its own gateway with: the one clients get
+    (the self-signed certificate, or gpufleet_tls_ca_file); None: the host's trust store."""
+    return GATEWAY_CA if ov.tls and (ov.tls_ca_file or not ov.tls_cert_file) else None
+
+
+def _tls(ov: Overrides, inventory, processes: list[Process]) -> dict | None:
+    """The gateway's certificate: the site's pair (checked now, before any host changes:
+    PEM, the key the certificate's, not expired, naming every gateway host), or the
+    self-signed pair the deploy makes once and keeps on the controller; None: plain HTTP.
+    `names`: every gateway's inventory name and address, which the certificate names."""
+    if not ov.tls:
+        return None
+    names = sorted({n for p in processes if p.role == "gateway" for n in (p.host, p.address)})
+    if not ov.tls_cert_file:
+        return {"self_signed": True, "names": names,
+                "cert_file": tls_path(inventory, ".crt"),
+                "key_file": tls_path(inventory, ".key"),
+                "ca_file": tls_path(inventory, ".crt"), "host_ca_file": GATEWAY_CA}
+    cert, key = (os.path.expanduser(f) for f in (ov.tls_cert_file, ov.tls_key_file))
+    ca = os.path.expanduser(ov.tls_ca_file) if ov.tls_ca_file else None
+    try:
+        tls.read_site_pair(cert, key, names)
+        if ca:
+            tls.read_ca(ca)
+    except tls.TLSError as exc:
+        raise PlanError([Problem(field="gpufleet_tls_cert_file", message=exc.message,
+                                 fix=exc.fix)]) from None
+    return {"self_signed": False, "names": names, "cert_file": cert, "key_file": key,
+            "ca_file": ca, "host_ca_file": GATEWAY_CA if ca else None}
 
 
 def _host_requirements(plan: Plan, inventory: inv_mod.Inventory) -> dict[str, HostPlan]:

@@ -426,4 +426,7 @@ def warnings(plan: Plan) -> list[str]:
     if plan.model.experimental:
         out.append(f"{plan.model.repo} is experimental (004): accuracy and throughput data "
                    "are still pending")
+    if plan.api.get("key_required") and not plan.api.get("tls"):
+        out.append("the gateway serves plain HTTP (gpufleet_tls: false): the API key and "
+                   "every prompt cross the network in clear text")
     return out

@@ -18,6 +18,7 @@ import base64
 import concurrent.futures
 import json
 import re
+import ssl
 import struct
 import sys
 import time
@@ -104,14 +105,19 @@ def _is_ready(content: str | None) -> bool:
 
 class Smoke:
     def __init__(self, base_url: str, model: str, engine: str, api_key: str | None,
-                 timeout: float):
+                 timeout: float, ca_file: str | None = None):
         base = base_url.rstrip("/")
         self.v1 = base if base.endswith("/v1") else base + "/v1"
         self.root = self.v1[: -len("/v1")]
         self.model, self.engine, self.timeout = model, engine, timeout
         self.key = api_key
-        self.client = openai.OpenAI(base_url=self.v1, api_key=api_key or "EMPTY",
-                                    timeout=timeout, max_retries=0)
+        # an https endpoint's certificate is verified as a client verifies it: with the
+        # deployment's CA where it has one, else the system's trust store
+        self.tls = ssl.create_default_context(cafile=ca_file) if self.v1.startswith(
+            "https:") else None
+        self.client = openai.OpenAI(
+            base_url=self.v1, api_key=api_key or "EMPTY", timeout=timeout, max_retries=0,
+            http_client=openai.DefaultHttpxClient(verify=self.tls) if self.tls else None)
 
     def chat(self, messages, effort: str | None = "low", max_tokens: int = ANSWER_TOKENS,
              **kw):
@@ -130,7 +136,7 @@ class Smoke:
         data = json.dumps(body).encode() if body is not None else None
         req = urllib.request.Request(self.root + path, data, headers, method=method)
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+            with urllib.request.urlopen(req, timeout=self.timeout, context=self.tls) as resp:
                 return resp.status, resp.read().decode(errors="replace")
         except urllib.error.HTTPError as exc:
             return exc.code, exc.read().decode(errors="replace")
@@ -441,13 +447,13 @@ def run_smoke(base_url: str, model: str, engine: str, *, api_key: str | None = N
               reasoning_parser: bool = True, tool_parser: bool = True, timeout: float = 60,
               only: list[str] | None = None, ready_max_tokens: int = 64,
               ready_effort: str | None = "low", anthropic: bool | None = None,
-              settle_s: float = 0) -> list[Check]:
+              settle_s: float = 0, ca_file: str | None = None) -> list[Check]:
     """Run the checks (all, or `only` these) against base_url (with or without /v1).
     `anthropic`: the endpoint serves /v1/messages (default: SGLang servers do);
     `settle_s`: first wait up to this long for a router that answers "not yet"."""
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, not {engine!r}")
-    s = Smoke(base_url, model, engine, api_key, timeout)
+    s = Smoke(base_url, model, engine, api_key, timeout, ca_file)
     s.anthropic = engine == "sglang" if anthropic is None else anthropic
     opts = dict(multimodal=multimodal, image_limit=image_limit,
                 reasoning_parser=reasoning_parser, tool_parser=tool_parser,
@@ -502,6 +508,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", help="the served model name")
     p.add_argument("--engine", choices=ENGINES)
     p.add_argument("--api-key-file", help="file holding the API key (never printed)")
+    p.add_argument("--ca-file", help="the CA an https endpoint's certificate is verified "
+                   "with (PEM; default: the system's trust store)")
     p.add_argument("--multimodal", action="store_true", help="the model takes images")
     p.add_argument("--image-limit", type=int, help="images per prompt the engine allows")
     p.add_argument("--no-reasoning-parser", action="store_true")
@@ -541,7 +549,8 @@ def main(argv: list[str] | None = None) -> int:
                          multimodal=args.multimodal, image_limit=args.image_limit,
                          reasoning_parser=not args.no_reasoning_parser,
                          tool_parser=not args.no_tool_parser, timeout=args.timeout,
-                         only=args.only, anthropic=anthropic, settle_s=args.settle)
+                         only=args.only, anthropic=anthropic, settle_s=args.settle,
+                         ca_file=args.ca_file)
 
     with concurrent.futures.ThreadPoolExecutor(min(len(args.url), 16)) as pool:
         results = dict(zip(args.url, pool.map(one, args.url), strict=True))

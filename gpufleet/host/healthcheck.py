@@ -36,6 +36,7 @@ import os
 import re
 import shutil
 import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -253,6 +254,9 @@ def _unit(raw, where):
         "served_name": _field(raw, "served_name", where, (str,), None),
         "api_key_file": _field(raw, "api_key_file", where, (str,), None, os.path.isabs,
                                "an absolute path"),
+        # an https health_url's CA file (PEM); None: the system's trust store
+        "ca_file": _field(raw, "ca_file", where, (str,), None, os.path.isabs,
+                          "an absolute path"),
         "health_timeout_s": _field(raw, "health_timeout_s", where, NUM, 5, _positive,
                                    "a number > 0"),
         "generate_timeout_s": _field(raw, "generate_timeout_s", where, NUM, 30, _positive,
@@ -359,8 +363,9 @@ def read_key(path):
         return handle.read().strip()
 
 
-def http(url, timeout, body=None, key=None):
-    """(status, parsed JSON or None, text) of a GET (body None) or JSON POST."""
+def http(url, timeout, body=None, key=None, ca_file=None):
+    """(status, parsed JSON or None, text) of a GET (body None) or JSON POST; an https URL
+    verified with CA_FILE (else the system's trust store)."""
     headers = {"Accept": "application/json"}
     data = None
     if body is not None:
@@ -370,7 +375,9 @@ def http(url, timeout, body=None, key=None):
         headers["Authorization"] = "Bearer " + key
     request = urllib.request.Request(url, data=data, headers=headers)
     try:
-        with urllib.request.urlopen(request, timeout=timeout) as resp:
+        context = ssl.create_default_context(cafile=ca_file) if url.startswith("https:") \
+            else None
+        with urllib.request.urlopen(request, timeout=timeout, context=context) as resp:
             status, text = resp.status, resp.read(65536).decode("utf-8", "replace")
     except urllib.error.HTTPError as exc:
         status, text = exc.code, exc.read(2048).decode("utf-8", "replace")
@@ -392,7 +399,8 @@ def describe(exc):
 def check_health(unit):
     started = time.monotonic()
     try:
-        status, _, text = http(unit["health_url"], unit["health_timeout_s"])
+        status, _, text = http(unit["health_url"], unit["health_timeout_s"],
+                               ca_file=unit["ca_file"])
     except Exception as exc:  # noqa: BLE001 - any transport error is a failed check
         return result("health", unit["unit"], FAIL, "{}: {}".format(unit["health_url"],
                       describe(exc)), started)

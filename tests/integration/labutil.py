@@ -1,16 +1,22 @@
-"""What the lab tests share: running fab and ansible-playbook, ssh into lab hosts, and
-reading Ansible's PLAY RECAP."""
+"""What the lab tests share: running fab and ansible-playbook, ssh into lab hosts, the
+deployment's endpoint as a client reaches it (HTTPS verified with its CA), and reading
+Ansible's PLAY RECAP."""
 
 from __future__ import annotations
 
 import difflib
+import json
 import os
 import re
 import shutil
+import ssl
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 from pathlib import Path
 
+import openai
 import yaml
 
 from gpufleet_lab import hosts as lab_hosts
@@ -26,6 +32,39 @@ ENV = {**os.environ, "ANSIBLE_CONFIG": str(ROOT / "ansible.cfg"), "NO_COLOR": "1
 def fab(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([str(BIN / "fab"), *args], cwd=ROOT, capture_output=True, text=True,
                           env={**ENV, **(env or {})}, timeout=900, check=False)
+
+
+def endpoint(*args: str) -> dict:
+    """`fab endpoint --format json` (ARGS: -i, --target): endpoint, api_key, ca_file, ..."""
+    proc = fab("endpoint", *args, "--format", "json")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return json.loads(proc.stdout)
+
+
+def tls(info: dict) -> ssl.SSLContext | None:
+    """How a client verifies the endpoint of INFO (fab endpoint's JSON): with its CA."""
+    if not info["endpoint"].startswith("https:"):
+        return None
+    return ssl.create_default_context(cafile=info.get("ca_file"))
+
+
+def api_client(info: dict, key: str | None = None, timeout: float = 30) -> openai.OpenAI:
+    """The real OpenAI client for the endpoint of INFO, its key unless KEY is given."""
+    context = tls(info)
+    return openai.OpenAI(
+        base_url=info["endpoint"], api_key=info["api_key"] if key is None else key,
+        max_retries=0, timeout=timeout,
+        http_client=openai.DefaultHttpxClient(verify=context) if context else None)
+
+
+def http_status(url: str, headers: dict | None = None, context=None, timeout=10) -> int:
+    """The HTTP status URL answers (an error status too)."""
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}),
+                                    timeout=timeout, context=context) as resp:
+            return resp.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
 
 
 def playbook(*args: str) -> subprocess.CompletedProcess:

@@ -19,7 +19,20 @@ import urllib.request
 
 import openai
 import pytest
-from labutil import BIN, ENV, LISTING, ROOT, changed_tasks, fab, listing_diff, playbook, recap, ssh
+from labutil import (
+    BIN,
+    ENV,
+    LISTING,
+    ROOT,
+    api_client,
+    changed_tasks,
+    fab,
+    listing_diff,
+    playbook,
+    recap,
+    ssh,
+)
+from labutil import endpoint as lab_endpoint
 
 from gpufleet_lab import hosts, net
 
@@ -60,12 +73,11 @@ def wait(predicate, timeout: float, step: float = 1.0):
 def endpoint(lab):
     proc = fab("deploy", "--target", TARGET)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
-    return json.loads(fab("endpoint", "--format", "json").stdout)
+    return lab_endpoint()
 
 
 def ask(endpoint, timeout=30):
-    c = openai.OpenAI(base_url=endpoint["endpoint"], api_key=endpoint["api_key"],
-                      max_retries=0, timeout=timeout)
+    c = api_client(endpoint, timeout=timeout)
     return c.chat.completions.create(model=MODEL, max_tokens=16,
                                      messages=[{"role": "user", "content": "Say READY"}])
 

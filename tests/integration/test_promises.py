@@ -11,34 +11,36 @@ port while the gateway cannot bind there (the crash loop that once passed as rea
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import stat
 import time
 import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
-from labutil import fab, playbook, ssh
+from labutil import endpoint, fab, http_status, playbook, ssh, tls
 
 pytestmark = pytest.mark.lab
 
 TARGET = "sglang-h200-low-latency"
-ENDPOINT = "http://10.213.77.11:30000/v1"
+ENDPOINT = "https://10.213.77.11:30000/v1"
+PLAIN = "http://10.213.77.11:30000"  # the same port without TLS (the stray below)
 # answers 200 to anything, as an engine or an old process left on the port would
 STRAY = ("python3 -c 'import http.server as h; s = h.BaseHTTPRequestHandler; "
          "s.do_GET = lambda r: (r.send_response(200), r.end_headers()); "
          "h.HTTPServer((\"10.213.77.11\", 30000), s).serve_forever()'")
 
 
+@functools.cache
+def _tls():
+    return tls(endpoint())
+
+
 def status(url: str, headers: dict | None = None) -> int:
-    try:
-        with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}),
-                                    timeout=10) as resp:
-            return resp.status
-    except urllib.error.HTTPError as exc:
-        return exc.code
+    """URL's status, an https URL verified with the deployment's CA as a client does."""
+    return http_status(url, headers, _tls() if url.startswith("https:") else None)
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +55,8 @@ def test_the_gateway_holds_the_port_and_the_engine_listens_on_loopback(deployed)
     assert ssh("lab1", "systemctl is-active gpufleet-gateway.service").strip() == "active"
     assert status(ENDPOINT + "/models") == 401
     # from another host the port is the gateway's too
-    other = ssh("lab2", f"curl -s -o /dev/null -w '%{{http_code}}' {ENDPOINT}/models")
+    # (lab2 has no copy of the CA: -k, the certificate is checked from the controller)
+    other = ssh("lab2", f"curl -sk -o /dev/null -w '%{{http_code}}' {ENDPOINT}/models")
     assert other == "401", other
     listening = ssh("lab1", "ss -Hltnp 'sport = :30000'")
     lines = sorted(line.split()[3] for line in listening.splitlines())
@@ -165,7 +168,7 @@ def test_a_stray_listener_on_the_gateway_port_fails_the_deploy_then_it_heals(dep
                 f"systemd-run --unit=lab-stray --collect {STRAY}", check=True)
     try:
         # the stray answers, once it has started
-        assert settles(ENDPOINT.removesuffix("/v1") + "/health", 200) == 200
+        assert settles(PLAIN + "/health", 200) == 200
         refused = fab("deploy", "--target", TARGET)
         said = " ".join((refused.stdout + refused.stderr).split())
         assert refused.returncode == 1, refused.stdout[-3000:]  # a host's state, not bad input

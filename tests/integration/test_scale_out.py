@@ -6,6 +6,7 @@ stops exactly the workers it drops."""
 from __future__ import annotations
 
 import re
+import ssl
 import threading
 import time
 import urllib.request
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 from labutil import fab, lab_inventory, main_pids, recap, ssh
-from openai import OpenAI
+from openai import DefaultHttpxClient, OpenAI
 
 from gpufleet_lab import net
 
@@ -52,8 +53,10 @@ def pool(lab, tmp_path_factory):
     out = fab("endpoint", "-i", inv, "--format", "env")
     assert out.returncode == 0, out.stderr
     env = dict(line.split("=", 1) for line in out.stdout.split())
+    # the client as a user sets it up from `fab endpoint --format env`
     client = OpenAI(base_url=env["OPENAI_BASE_URL"], api_key=env["OPENAI_API_KEY"],
-                    max_retries=0, timeout=30)
+                    max_retries=0, timeout=30, http_client=DefaultHttpxClient(
+                        verify=ssl.create_default_context(cafile=env["SSL_CERT_FILE"])))
     yield inv, client
     down = fab("teardown", "-i", inv)
     assert down.returncode == 0, down.stdout[-3000:]

@@ -14,8 +14,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from labutil import changed_tasks, fab, lab_inventory, main_pids, ssh
-from openai import OpenAI
+from labutil import api_client, changed_tasks, endpoint, fab, lab_inventory, main_pids, ssh
 from test_scale_out import under_load
 
 from gpufleet_lab import hosts as lab_hosts
@@ -51,10 +50,7 @@ def pool(request, _lab_session, tmp_path_factory):
                         groups=groups)
     proc = fab("deploy", "-i", inv)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    out = fab("endpoint", "-i", inv, "--format", "env")
-    env = dict(line.split("=", 1) for line in out.stdout.split())
-    yield family, inv, OpenAI(base_url=env["OPENAI_BASE_URL"], api_key=env["OPENAI_API_KEY"],
-                              max_retries=0, timeout=30)
+    yield family, inv, api_client(endpoint("-i", inv))
     assert fab("teardown", "-i", inv).returncode == 0
     lab_hosts.up(hosts=2)  # the next module gets the usual lab
 

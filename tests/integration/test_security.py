@@ -1,6 +1,7 @@
 """Exposure, secrets, check mode and idempotence on a real deployment in the lab.
 
-The endpoint needs the API key (the real openai client is refused without it), the
+The endpoint serves HTTPS only, with the deployment's own CA (kept like the key), and needs
+the API key (the real openai client is refused without it), the
 processes listen where the plan says and nowhere else, the units' systemd exposure
 scores stay under the goals, the key appears in no log, process listing, environment
 or world-readable file, and `--check --diff` and re-runs change nothing.
@@ -11,13 +12,26 @@ from __future__ import annotations
 import json
 import os
 import re
+import ssl
 import stat
 import subprocess
-import urllib.request
+import urllib.error
+from pathlib import Path
 
 import openai
 import pytest
-from labutil import HOSTS, ROOT, digests, fab, playbook, recap, ssh
+from labutil import (
+    HOSTS,
+    ROOT,
+    api_client,
+    digests,
+    fab,
+    http_status,
+    playbook,
+    recap,
+    ssh,
+    tls,
+)
 
 pytestmark = pytest.mark.lab
 
@@ -35,8 +49,8 @@ def deployed(lab):
     return {"deploy_output": proc.stdout + proc.stderr, **endpoint}
 
 
-def client(endpoint, key):
-    return openai.OpenAI(base_url=endpoint, api_key=key, max_retries=0, timeout=20)
+def client(deployed, key):
+    return api_client(deployed, key, timeout=20)
 
 
 def test_the_endpoint_refuses_requests_without_the_key(deployed):
@@ -44,19 +58,57 @@ def test_the_endpoint_refuses_requests_without_the_key(deployed):
     assert re.fullmatch(r"[A-Za-z0-9_-]{48}", key)  # gpufleet.apikey: 36 random bytes
     for wrong in ("EMPTY", key[:-1], key + "x", key.swapcase()):
         with pytest.raises(openai.AuthenticationError) as err:
-            client(url, wrong).models.list()
+            client(deployed, wrong).models.list()
         assert "fab endpoint" in str(err.value)
-    assert [m.id for m in client(url, key).models.list()] == [MODEL]
-    reply = client(url, key).chat.completions.create(
+    assert [m.id for m in client(deployed, key).models.list()] == [MODEL]
+    reply = client(deployed, key).chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Say READY"}], max_tokens=16)
     assert reply.choices[0].finish_reason in ("stop", "length")
     # Anthropic-style clients send x-api-key
-    req = urllib.request.Request(url + "/models", headers={"x-api-key": key})
-    with urllib.request.urlopen(req, timeout=10) as resp:
-        assert resp.status == 200
+    assert http_status(url + "/models", {"x-api-key": key}, tls(deployed)) == 200
     # load balancers probe /health without a key
-    with urllib.request.urlopen(url.removesuffix("/v1") + "/health", timeout=10) as resp:
-        assert resp.status == 200
+    assert http_status(url.removesuffix("/v1") + "/health", context=tls(deployed)) == 200
+
+
+def test_the_endpoint_serves_https_only_with_the_deployments_ca(deployed):
+    url, ca = deployed["endpoint"], deployed["ca_file"]
+    assert url == "https://10.213.77.11:8000/v1" and "tls:      HTTPS; clients verify it " \
+        f"with the CA {ca}" in deployed["deploy_output"]
+    assert stat.S_IMODE(os.stat(ca).st_mode) == 0o600
+    key_file = ca.removesuffix(".crt") + ".key"
+    assert stat.S_IMODE(os.stat(key_file).st_mode) == 0o600
+    # a client that trusts only the system's CAs refuses the certificate: the CA is ours
+    with pytest.raises(urllib.error.URLError, match="CERTIFICATE_VERIFY_FAILED"):
+        http_status(url.removesuffix("/v1") + "/health", context=ssl.create_default_context())
+    # plain HTTP on the port gets 400, never an answer
+    assert http_status(url.replace("https://", "http://") + "/models",
+                       {"Authorization": f"Bearer {deployed['api_key']}"}) == 400
+    # the certificate names the host and its address, and nginx serves it
+    served = ssh("lab1", "echo | openssl s_client -connect 10.213.77.11:8000 "
+                         "-CAfile /etc/gpufleet/gateway/ca.crt -verify_ip 10.213.77.11 "
+                         "2>/dev/null | grep -E 'Verify return code|subject='")
+    assert "Verify return code: 0 (ok)" in served, served
+    for path, mode in (("tls.key", "640"), ("tls.crt", "644"), ("ca.crt", "644")):
+        assert ssh("lab1", f"stat -c '%a %U %G' /etc/gpufleet/gateway/{path}").split() == \
+            [mode, "root", "gpufleet"], path
+    assert Path(ca).read_text().strip() == ssh("lab1", "cat /etc/gpufleet/gateway/ca.crt").strip()
+
+
+def test_a_controller_without_the_certificate_keeps_the_gateways(deployed):
+    """A new clone or a fresh HOME: the deploy keeps the certificate clients trust, it
+    does not make a new CA, and the gateway is not restarted."""
+    ca = deployed["ca_file"]
+    before = Path(ca).read_text()
+    pid = ssh("lab1", "systemctl show -p MainPID --value gpufleet-gateway.service").strip()
+    os.unlink(ca)
+    os.unlink(ca.removesuffix(".crt") + ".key")
+    again = playbook("-i", "inventories/lab", "playbooks/serve.yml", "-e",
+                     f"gpufleet_target={TARGET}")
+    assert again.returncode == 0, again.stdout[-4000:]
+    assert Path(ca).read_text() == before and stat.S_IMODE(os.stat(ca).st_mode) == 0o600
+    assert ssh("lab1", "systemctl show -p MainPID --value gpufleet-gateway.service").strip() \
+        == pid
+    assert http_status(deployed["endpoint"] + "/models", context=tls(deployed)) == 401
 
 
 def test_the_key_is_kept_0600_on_the_controller(deployed):

@@ -75,7 +75,18 @@ def test_a_key_is_made_once_atomically_0600_in_a_0700_directory(tmp_path):
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
     assert apikey.ensure(str(path)) == made  # read back, never made again
-    assert os.listdir(path.parent) == ["prod.key"]  # no temporary file left
+    # no temporary file left; .lock: the deployments' files are made one at a time
+    assert sorted(os.listdir(path.parent)) == [".lock", "prod.key"]
+
+
+def test_gateways_asking_at_once_get_one_key(tmp_path):
+    """Replicas: each gateway's Ansible fork asks for the key at the same moment."""
+    import concurrent.futures
+
+    path = str(tmp_path / "keys" / "prod.key")
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        keys = set(pool.map(lambda _: apikey.ensure(path), range(64)))
+    assert keys == {apikey.read(path)}
 
 
 def test_a_failed_write_leaves_neither_a_key_nor_a_temporary_file(tmp_path, monkeypatch):
@@ -88,7 +99,7 @@ def test_a_failed_write_leaves_neither_a_key_nor_a_temporary_file(tmp_path, monk
     monkeypatch.setattr(os, "fsync", full)
     with pytest.raises(OSError, match="No space"):
         apikey.ensure(str(path))
-    assert os.listdir(path.parent) == []
+    assert os.listdir(path.parent) == [".lock"]  # no key, no temporary file
 
 
 @pytest.mark.parametrize("conf", [

@@ -161,5 +161,5 @@ def test_the_gateway_takes_the_seeds_client_port(seed):
     (gateway,), (router,) = plan.by_role("gateway"), plan.by_role("router")
     assert gateway.ports == {"http": 8000} == router.ports
     assert gateway.bind == gateway.address and router.bind == "127.0.0.1"
-    assert plan.endpoint == f"http://{gateway.address}:8000/v1"
+    assert plan.endpoint == f"https://{gateway.address}:8000/v1"
     assert plan.api["key_required"] and plan.endpoints == [plan.endpoint]

@@ -34,7 +34,7 @@ def config(plan, host, fabric_external=False, **changed):
 def engine(name, port, grace=3600, depends_on=(FM,), drain=True):
     return {"unit": f"gpufleet-{name}.service", "name": name, "role": name,
             "health_url": f"http://127.0.0.1:{port}/health", "generate_url": None,
-            "served_name": None, "api_key_file": None, "health_timeout_s": 5,
+            "served_name": None, "ca_file": None, "api_key_file": None, "health_timeout_s": 5,
             "generate_timeout_s": 30, "startup_grace_s": grace, "restart": True,
             "depends_on": list(depends_on), "drain": drain}
 
@@ -53,7 +53,8 @@ ONE_NODE = {
              generate_url="http://127.0.0.1:8000/v1/completions",
              served_name="zai-org/GLM-5.3-Flash"),
         dict(engine("gateway", 8000, 300, ["gpufleet-router.service"], drain=False),
-             health_url="http://workers-1:8000/health"),
+             # the gateway over TLS, verified with the deployment's CA on the host
+             health_url="https://workers-1:8000/health", ca_file="/etc/gpufleet/gateway/ca.crt"),
         {"unit": FM, "name": "nvidia-fabricmanager", "role": "host", "restart": False,
          "depends_on": [], "drain": False,
          "fix": "start it (systemctl start nvidia-fabricmanager.service; its journal says why "
@@ -117,7 +118,7 @@ def test_replicas_each_host_gets_the_one_node_config_with_its_name():
     for host in ("workers-1", "workers-2", "workers-3"):
         want = copy.deepcopy(ONE_NODE)
         want["host"] = host
-        want["units"][3]["health_url"] = f"http://{host}:8000/health"
+        want["units"][3]["health_url"] = f"https://{host}:8000/health"
         assert config(plan, host) == want
 
 

@@ -18,6 +18,7 @@ import os
 import re
 import shutil
 import signal
+import ssl
 import subprocess
 import sys
 import sysconfig
@@ -168,7 +169,7 @@ def write_tool(bindir: Path, name: str, body: str) -> None:
 class Engine:
     """A loopback OpenAI-style engine: mode ok, wedged (generation hangs) or error."""
 
-    def __init__(self, key: str | None = KEY):
+    def __init__(self, key: str | None = KEY, tls: tuple | None = None):
         self.mode, self.key, self.requests = "ok", key, []
         self.release = threading.Event()
         engine = self
@@ -211,7 +212,13 @@ class Engine:
 
         self.server = Server(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        scheme = "http"
+        if tls:  # (certificate, key): HTTPS, as the gateway serves it
+            context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            context.load_cert_chain(*tls)
+            self.server.socket = context.wrap_socket(self.server.socket, server_side=True)
+            scheme = "https"
+        self.url = f"{scheme}://127.0.0.1:{self.server.server_address[1]}"
         # a short poll: shutdown() waits for it, once per test
         threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05},
                          daemon=True).start()
@@ -599,6 +606,39 @@ def test_no_restart_during_startup_window(host, engine):
     assert host.restarts() == []
     host.run()
     assert len(host.restarts()) == 1
+
+
+def self_signed(folder: Path) -> tuple:
+    """A self-signed certificate for 127.0.0.1 (its own CA), made by openssl."""
+    folder.mkdir()
+    cert, key = folder / "tls.crt", folder / "tls.key"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt",
+                    "ec_paramgen_curve:prime256v1", "-nodes", "-days", "1", "-subj",
+                    "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
+    return str(cert), str(key)
+
+
+def test_an_https_health_url_is_verified_with_its_ca(host, tmp_path):
+    """The gateway over TLS: healthy with the deployment's CA, failed (naming the
+    certificate) with another one, never passed unverified."""
+    gateway_unit = "gpufleet-gateway.service"
+    pair, other = self_signed(tmp_path / "ours"), self_signed(tmp_path / "other")
+    gateway = Engine(tls=pair)
+    try:
+        host.set_units({gateway_unit: {"state": "active", "age": 1000}})
+        for ca, healthy in ((pair[0], True), (other[0], False)):
+            host.write_config(units=[{"unit": gateway_unit, "name": "gateway",
+                                      "role": "gateway", "health_url": gateway.url + "/health",
+                                      "ca_file": ca, "restart": False}])
+            proc = host.run("--json")
+            report = json.loads(proc.stdout)
+            check = next(c for c in report["checks"] if c["check"] == "health")
+            assert (check["status"] == "ok") is healthy, check
+            if not healthy:
+                assert "certificate verify failed" in check["detail"], check
+    finally:
+        gateway.close()
 
 
 def test_stopped_unit_and_failing_dependency_are_not_restarted(host, engine):

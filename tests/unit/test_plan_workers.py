@@ -75,7 +75,7 @@ def test_vllm_two_prefill_two_decode_behind_one_router():
         for port in (8000, 8100)]
     assert [r["unit"] for r in ready(decode1)["pool"]["routers"]] == [
         "gpufleet-router.service", "gpufleet-router-1.service"]
-    assert plan.endpoints == [plan.endpoint] == ["http://10.9.0.1:8000/v1"]
+    assert plan.endpoints == [plan.endpoint] == ["https://10.9.0.1:8000/v1"]
     # KV moves between hosts now: both need RDMA, the engines listen on their address
     assert all(h.rdma for h in plan.hosts.values())
     assert {p.bind for p in plan.engines} == {"10.9.0.1", "10.9.1.2"}
@@ -192,7 +192,7 @@ def test_an_aggregated_target_puts_its_workers_behind_one_router(target, router_
         assert flag_values(router.argv, "--worker-urls") == [
             [f"http://10.9.0.1:{port}", f"http://10.9.1.2:{port}"]]
         assert " ".join(router_flags) in " ".join(router.argv)
-    assert plan.endpoint == "http://10.9.0.1:8000/v1"
+    assert plan.endpoint == "https://10.9.0.1:8000/v1"
     # a pool over hosts: each worker on its host's internal address
     assert [w.bind for w in plan.by_role("worker")] == ["10.9.0.1", "10.9.1.2"]
     assert all(ready(w)["rolling"] and ready(w)["pool"]["type"] == "regular"

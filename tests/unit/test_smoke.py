@@ -307,7 +307,7 @@ def test_options_from_plan():
     plan = make_plan("gb200-tray").to_json()
     plan["model"].setdefault("modalities", modalities("gb200-tray"))
     opts = smoke.options_from_plan(plan)
-    assert opts == {"base_url": "http://workers-1:8000/v1", "model": FLASH, "engine": "vllm",
+    assert opts == {"base_url": "https://workers-1:8000/v1", "model": FLASH, "engine": "vllm",
                     "multimodal": True, "image_limit": 1, "anthropic": False}
     with pytest.raises(ValueError, match="engine must be one of"):
         smoke.run_smoke("http://x/v1", FLASH, "tgi")

@@ -50,6 +50,7 @@ def health_config(slice_: dict, options: dict, fabric_external: bool = False) ->
             "health_url": check["url"],
             "generate_url": check["generate_url"],
             "served_name": check["served_name"],
+            "ca_file": check.get("ca_file"),
             "api_key_file": (opt["api_key_file"] or None) if check["generate_url"] else None,
             "health_timeout_s": int(opt["http_timeout_s"]),
             "generate_timeout_s": int(opt["generate_timeout_s"]),

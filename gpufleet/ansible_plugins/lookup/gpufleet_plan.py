@@ -63,6 +63,15 @@ description:
     ~/.config/gpufleet/api-keys/DEPLOYMENT.key (under C($XDG_CONFIG_HOME) where it is set).
     It has no command-line option.
   - >-
+    C(gpufleet_tls) (default true) makes the gateway serve HTTPS only; false serves plain
+    HTTP (a plan warning says the key crosses the network in clear text).
+    C(gpufleet_tls_cert_file) and C(gpufleet_tls_key_file) are the site's certificate (PEM,
+    with its chain) and unencrypted key on the controller, checked when planning (the key
+    the certificate's, not expired, naming every gateway host); C(gpufleet_tls_ca_file) is
+    the CA clients verify it with where their trust store lacks it. Without them the first
+    deploy makes a self-signed pair, kept in ~/.config/gpufleet/tls/DEPLOYMENT.crt and .key.
+    None has a command-line option.
+  - >-
     C(gpufleet_replicas) (true) runs a single-node target on every host of its group, one
     independent copy each with its own endpoint. It has no command-line option.
   - >-

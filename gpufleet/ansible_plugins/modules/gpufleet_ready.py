@@ -30,6 +30,11 @@ options:
   served_name:
     description: Model name for the generation request.
     type: str
+  ca_file:
+    description: >-
+      An https URL's CA file on the host (PEM): the certificate is verified with it, as
+      a client verifies it; without it, with the host's trust store.
+    type: str
   timeout:
     description: Seconds to wait in all.
     type: int
@@ -54,6 +59,7 @@ EXAMPLES = r"""
     url: "{{ serve_proc.readiness.url }}"
     generate_url: "{{ serve_proc.readiness.generate_url | default(omit) }}"
     served_name: "{{ serve_proc.readiness.served_name | default(omit) }}"
+    ca_file: "{{ serve_proc.readiness.ca_file | default(omit) }}"
     timeout: "{{ serve_proc.readiness.timeout_s }}"
     interval: "{{ serve_ready_delay }}"
     journal_lines: "{{ serve_journal_lines }}"
@@ -99,6 +105,7 @@ journal:
 """
 
 import json
+import ssl
 import subprocess
 import time
 import urllib.error
@@ -123,14 +130,18 @@ def journal(unit, lines):
         capture_output=True, text=True, check=False).stdout
 
 
-def probe(url, body=None, timeout=10.0):
+def probe(url, body=None, timeout=10.0, context=None):
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
+        with urllib.request.urlopen(req, timeout=timeout, context=context) as resp:
             return resp.status, ""
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read(300).decode(errors="replace")
+    except urllib.error.URLError as exc:
+        if isinstance(exc.reason, ssl.SSLCertVerificationError):
+            raise  # the certificate, not the time, is what is wrong: said at once
+        return None, str(exc)
     except (OSError, ValueError) as exc:
         return None, str(exc)
 
@@ -142,6 +153,7 @@ def main():
             "url": {"type": "str", "required": True},
             "generate_url": {"type": "str"},
             "served_name": {"type": "str"},
+            "ca_file": {"type": "str"},
             "timeout": {"type": "int", "default": 600},
             "interval": {"type": "float", "default": 2},
             "journal_lines": {"type": "int", "default": 40},
@@ -154,6 +166,11 @@ def main():
     start = time.monotonic()
     deadline = start + p["timeout"]
     stage, url, body = "health", p["url"], None
+    try:
+        context = ssl.create_default_context(cafile=p["ca_file"]) \
+            if url.startswith("https:") else None
+    except (OSError, ssl.SSLError) as exc:
+        module.fail_json(msg=f"cannot read the CA file {p['ca_file']} for {url}: {exc}")
     last = ""
     restarts = unit_state(p["unit"]).get("NRestarts", "0")
     while True:
@@ -167,7 +184,15 @@ def main():
             module.fail_json(
                 msg=f"{p['unit']} {what} while waiting for {stage}",
                 unit_state=state, journal=journal(p["unit"], p["journal_lines"]))
-        status, last = probe(url, body)
+        try:
+            status, last = probe(url, body, context=context)
+        except urllib.error.URLError as exc:
+            module.fail_json(
+                msg=f"{url} serves a certificate that does not verify with "
+                    f"{p['ca_file'] or 'the host trust store'}: {exc.reason.verify_message}. "
+                    "Fix: give the certificate's CA (gpufleet_tls_ca_file), or a certificate "
+                    "that names this host (gpufleet_tls_cert_file)",
+                unit_state=state, journal=journal(p["unit"], p["journal_lines"]))
         if status == 200:
             if stage == "generate" or not p["generate_url"]:
                 others = strangers(p["unit"], p["url"])

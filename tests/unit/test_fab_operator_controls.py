@@ -240,9 +240,9 @@ def test_fab_list_shows_a_whole_sentence_per_task():
 
 
 def test_an_inventory_path_is_read_from_where_fab_was_started(runs, monkeypatch, tmp_path):
-    """fab -r CHECKOUT from another directory: -i relative to that directory (an operator's
-    own inventory), or to the checkout (inventories/h200); ansible-playbook, which runs in
-    the checkout, gets the absolute path."""
+    """fab from another directory: -i relative to that directory (an operator's own
+    inventory), or to the checkout (inventories/h200); ansible-playbook, which runs in the
+    checkout, gets the absolute path."""
     mine = tmp_path / "mysite"
     shutil.copytree(SAMPLE, mine)
     monkeypatch.chdir(tmp_path)

@@ -836,10 +836,13 @@ if IN_CHECKOUT and (LAB / "gpufleet_lab").is_dir():
 
 
 def main() -> None:
-    """The `fab` and `gpufleet` programs: these tasks, from any directory."""
+    """The `fab` and `gpufleet` programs (and `python -m gpufleet`): these tasks, from any
+    directory."""
     from invoke import Program
 
     # `fab targets | head -1`: a closed pipe ends the output quietly, as for any
     # command-line tool (a process that imports this module keeps Python's own handling)
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)
-    Program(namespace=ns, version=_version(), name="gpufleet").run()
+    binary = Path(sys.argv[0]).name
+    Program(namespace=ns, version=_version(), name="gpufleet",
+            binary="python -m gpufleet" if binary == "__main__.py" else binary).run()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +13,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).parents[2]
-FAB = str(Path(sys.executable).with_name("fab"))
+# the fab program of this checkout (its console scripts need not be installed: the
+# controller Pythons' test venvs hold only the dependencies)
+FAB = [sys.executable, "-m", "gpufleet"]
 REQUIRED_TARGETS = {
     "gb200-tray", "h200-pd-1node", "b200-pd-1node", "h200-agg", "h200-disagg",
     "gb200-agg", "gb200-disagg", "sglang-h200-low-latency", "sglang-b300-balanced-bf16",
@@ -21,7 +24,7 @@ REQUIRED_TARGETS = {
 
 
 def fab(*args, check=True):
-    proc = subprocess.run([FAB, *args], cwd=ROOT, capture_output=True, text=True,
+    proc = subprocess.run([*FAB, *args], cwd=ROOT, capture_output=True, text=True,
                           env={**os.environ, "NO_COLOR": "1"}, check=False)
     if check:
         assert proc.returncode == 0, proc.stderr
@@ -90,7 +93,7 @@ def test_a_bad_option_value_exits_2_naming_it_without_a_traceback(args, said):
 
 def test_a_closed_pipe_ends_the_listing_quietly():
     """`fab targets | head -1`: no BrokenPipeError."""
-    proc = subprocess.run(f"{FAB} targets | head -1", shell=True, cwd=ROOT, text=True,
+    proc = subprocess.run(f"{shlex.join(FAB)} targets | head -1", shell=True, cwd=ROOT, text=True,
                           capture_output=True, check=False)
     assert proc.stdout.startswith("target ") and proc.stderr == "", proc.stderr
 

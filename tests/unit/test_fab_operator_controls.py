@@ -136,7 +136,8 @@ def test_a_limited_run_still_plans_on_the_controller(tmp_path):
         "        there: {ansible_host: 192.0.2.99}\n")
     (inventory / "group_vars" / "all.yml").write_text(
         "gpufleet_target: h200-pd-1node\ngpufleet_hardware: h200\ngpufleet_replicas: true\n")
-    proc = subprocess.run([str(BIN / "fab"), "status", "-i", str(inventory), "--limit", "here"],
+    proc = subprocess.run([sys.executable, "-m", "gpufleet", "status", "-i", str(inventory),
+                           "--limit", "here"],
                           cwd=REPO, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "XDG_CONFIG_HOME": str(tmp_path / "config")})
     assert re.search(r"^here +gpufleet-prefill\.service", proc.stdout, re.M), \

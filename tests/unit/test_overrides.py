@@ -17,11 +17,11 @@ from gpufleet import engine_flags, rules
 from gpufleet.plan import ENGINE_ROLES, OWN_PROGRAM, PlanError, make_plan
 
 ROOT = Path(__file__).parents[2]
-FAB = str(Path(sys.executable).with_name("fab"))
+FAB = [sys.executable, "-m", "gpufleet"]  # the checkout's fab program
 
 
 def fab_plan(*args):
-    return subprocess.run([FAB, "plan", *args], cwd=ROOT, capture_output=True, text=True,
+    return subprocess.run([*FAB, "plan", *args], cwd=ROOT, capture_output=True, text=True,
                           env={**os.environ, "NO_COLOR": "1"}, check=False)
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import shutil
 import socket
+import ssl
 import threading
 import time
 import traceback
@@ -135,10 +136,10 @@ def _inventory(tmp_path: Path, case: shapes.Case, hosts: tuple[str, str], lane: 
     return str(path)
 
 
-def _status(url: str, key: str | None = None) -> int | None:
+def _status(url: str, key: str | None = None, context=None) -> int | None:
     req = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"} if key else {})
     try:
-        with urllib.request.urlopen(req, timeout=10) as resp:
+        with urllib.request.urlopen(req, timeout=10, context=context) as resp:
             return resp.status
     except urllib.error.HTTPError as exc:
         return exc.code
@@ -186,11 +187,15 @@ def deploy_and_check(case: shapes.Case, hosts: tuple[str, str], lane: int, prepa
     endpoints = plan["endpoints"] or [plan["endpoint"]]
     key = Path(plan["api"]["key_file"]).read_text().strip() \
         if plan["api"]["key_required"] else None
+    # over TLS as a client reaches it: the certificate verified with the deployment's CA
+    tls = plan["api"].get("tls")
+    context = ssl.create_default_context(cafile=tls["ca_file"]) if tls else None
     for endpoint in endpoints:
-        bare = _status(endpoint + "/models")
+        assert endpoint.startswith("https://" if tls else "http://"), endpoint
+        bare = _status(endpoint + "/models", context=context)
         if key:
             assert bare in (401, 403), f"{endpoint} answered {bare} without the key"
-            assert _status(endpoint + "/models", key) == 200, endpoint
+            assert _status(endpoint + "/models", key, context) == 200, endpoint
         else:
             assert bare == 200, f"{endpoint} (planned open) answered {bare}"
     reached = [p for p in plan["exposure"]["loopback"] if _answers(p["address"], p["port"])]

@@ -110,7 +110,7 @@ class Smoke:
         self.v1 = base if base.endswith("/v1") else base + "/v1"
         self.root = self.v1[: -len("/v1")]
         self.model, self.engine, self.timeout = model, engine, timeout
-        self.key = api_key
+        self.key, self.ca_file = api_key, ca_file
         # an https endpoint's certificate is verified as a client verifies it: with the
         # deployment's CA where it has one, else the system's trust store
         self.tls = ssl.create_default_context(cafile=ca_file) if self.v1.startswith(
@@ -142,6 +142,14 @@ class Smoke:
             return exc.code, exc.read().decode(errors="replace")
 
 
+def _unreachable(exc: BaseException) -> str:
+    """The likely cause of a request that got no HTTP answer."""
+    if "CERTIFICATE_VERIFY_FAILED" in f"{exc} {exc.__cause__}":
+        return ("the endpoint's certificate does not verify with the CA given (--ca-file; "
+                "fab endpoint prints the deployment's)")
+    return "is the router/engine running and listening there?"
+
+
 def _truncated(choice, max_tokens: int, what: str = "answering") -> Failed | None:
     """The reasoning-ran-out failure, when that is what happened."""
     message = choice.message
@@ -165,7 +173,7 @@ def check_key(s: Smoke, **_) -> str:
     """The endpoint refuses what comes without the key: the model list and a generation."""
     if not s.key:
         return "skip: the deployment takes no API key"
-    bare = Smoke(s.root, s.model, s.engine, None, s.timeout)
+    bare = Smoke(s.root, s.model, s.engine, None, s.timeout, s.ca_file)
     body = {"model": s.model, "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}
     for method, path, data in (("GET", "/v1/models", None),
                                ("POST", "/v1/chat/completions", body)):
@@ -397,7 +405,7 @@ def _run_one(name: str, fn, s: Smoke, opts: dict) -> Check:
                      "engine overloaded or stuck: check its log")
     except openai.APIConnectionError as exc:
         return Check(name, False, f"cannot connect to {s.v1} ({exc.__cause__ or exc})",
-                     "is the router/engine running and listening there?")
+                     _unreachable(exc))
     except openai.AuthenticationError:
         return Check(name, False, "401 unauthorized", "wrong or missing API key")
     except openai.NotFoundError as exc:
@@ -407,8 +415,7 @@ def _run_one(name: str, fn, s: Smoke, opts: dict) -> Check:
         return Check(name, False, f"HTTP {exc.status_code}: {_short(exc.message, 120)}",
                      "the engine refused the request: check its log")
     except (OSError, ValueError) as exc:  # urllib: refused, timeout, bad JSON
-        return Check(name, False, f"{type(exc).__name__}: {exc}",
-                     "is the router/engine running and listening there?")
+        return Check(name, False, f"{type(exc).__name__}: {exc}", _unreachable(exc))
     if detail.startswith("skip: "):
         return Check(name, True, detail[6:], skipped=True)
     return Check(name, True, detail)

@@ -305,7 +305,8 @@ def test_a_deploy_killed_at_every_play_boundary_then_rerun_converges(endpoint):
 @pytest.mark.slow
 def test_a_change_written_but_not_applied_by_a_killed_deploy_is_applied_by_the_rerun(endpoint):
     flag = ["--set", "decode:--max-num-seqs=128"]
-    deploy_killed_at("TASK [serve : Serve | Configure | Read the pending restarts]", *flag)
+    deploy_killed_at("TASK [gpufleet.fleet.serve : Serve | Configure | Read the pending "
+                     "restarts]", *flag)
     # the unit file has the new flag, the running process does not yet
     assert "--max-num-seqs 128" in ssh("lab1", "systemctl cat gpufleet-decode.service")
     pid = units()["gpufleet-decode.service"]["main_pid"]

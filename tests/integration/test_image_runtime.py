@@ -137,7 +137,7 @@ def test_a_bad_image_is_refused_before_any_unit_changes(deployed, case):
     assert {h: main_pids(h) for h in HOSTS} == before
     # prepare stopped before serve: no unit file changed
     assert {h: unit_files(h) for h in HOSTS} == units_before
-    assert "TASK [serve" not in proc.stdout
+    assert "TASK [gpufleet.fleet.serve" not in proc.stdout
     # the next good run puts every host back on one digest and serves
     again = site()
     assert again.returncode == 0, again.stdout[-4000:]
@@ -272,7 +272,7 @@ def test_hosts_that_pulled_different_digests_are_refused_naming_both(sglang_depl
         assert f"the hosts of sglang pulled different images for {SGLANG_REF}" in text, text[-3000:]
         assert f"lab1 run {digests['lab1']}" in text and f"lab2 run {digests['lab2']}" in text
         assert "Fix: pin one digest" in text
-        assert "TASK [serve" not in proc.stdout
+        assert "TASK [gpufleet.fleet.serve" not in proc.stdout
         assert {h: main_pids(h) for h in PD_HOSTS} == before
         assert {h: unit_files(h) for h in PD_HOSTS} == units_before
     finally:
@@ -292,7 +292,7 @@ def test_dynamo_over_rdma_is_refused_where_containers_cannot_lock_memory_then_se
         text = said(proc)
         assert "lab2: a container given /dev/infiniband and IPC_LOCK sees" in text, text[-3000:]
         assert "lacks CAP_IPC_LOCK" in text and "silently fall back to TCP" in text
-        assert "TASK [serve" not in proc.stdout
+        assert "TASK [gpufleet.fleet.serve" not in proc.stdout
     finally:
         lab_hosts.reboot("lab2", boot_faults=[])
     proc = deploy("h200-disagg")

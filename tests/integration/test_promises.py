@@ -110,7 +110,7 @@ def test_a_deploy_from_another_controller_stops_at_the_host_lock(deployed):
         said = " ".join((refused.stdout + refused.stderr).split())
         assert refused.returncode != 0, said[-3000:]
         assert "another deploy holds this host: bob@ctl2 since" in said, said[-3000:]
-        assert "TASK [serve : " not in refused.stdout  # stopped before the role
+        assert "TASK [gpufleet.fleet.serve : " not in refused.stdout  # stopped before the role
         checker = json.loads(ssh("lab1", "/usr/bin/python3 -I -B "
                                  "/usr/local/lib/gpufleet/healthcheck.py --json"))
         assert checker["deploying"] == "bob@ctl2", checker
@@ -175,7 +175,7 @@ def test_a_stray_listener_on_the_gateway_port_fails_the_deploy_then_it_heals(dep
         taken = re.search(r"port 30000 is already in use by (.*?)\. Fix", said)
         assert taken and "lab-stray.service" in taken[1], said[-3000:]
         assert "gpufleet-worker" not in taken[1]  # its own worker, on loopback, is no clash
-        assert "TASK [serve" not in refused.stdout  # refused before any change
+        assert "TASK [gpufleet.fleet.serve" not in refused.stdout  # refused before any change
         broken = playbook("-i", "inventories/lab", "playbooks/serve.yml", "-e",
                           f"gpufleet_target={TARGET}")
         said = " ".join((broken.stdout + broken.stderr).split())

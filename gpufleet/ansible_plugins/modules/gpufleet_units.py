@@ -78,6 +78,7 @@ host_fault:
 """
 
 import json
+import ssl
 import subprocess
 import time
 import urllib.error
@@ -94,11 +95,16 @@ def show(unit):
     return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
 
 
-def ready(url):
+def ready(readiness):
+    """Whether the readiness url answers 200 (an https one verified with its CA file, as
+    the deploy's probe does); None where the process has no url."""
+    url = readiness.get("url")
     if not url:
         return None
     try:
-        with urllib.request.urlopen(url, timeout=3) as resp:
+        context = ssl.create_default_context(cafile=readiness.get("ca_file")) \
+            if url.startswith("https:") else None
+        with urllib.request.urlopen(url, timeout=3, context=context) as resp:
             return resp.status == 200
     except (urllib.error.URLError, OSError, ValueError):
         return False
@@ -139,7 +145,7 @@ def main():
             "uptime_s": round(now - entered) if active == "active" and entered else 0,
             "restarts": int(state.get("NRestarts") or 0),
             "main_pid": int(state.get("MainPID") or 0),
-            "ready": ready((proc.get("readiness") or {}).get("url")) if active == "active"
+            "ready": ready(proc.get("readiness") or {}) if active == "active"
             else False,
         }
         if module.params["journal_lines"]:

@@ -76,9 +76,10 @@ def failed_task(output: str) -> str:
 
 
 def failed_in(task: str, role: str) -> bool:
-    """The role's own task, or the preflight check it includes on its behalf
-    ('preflight : Preflight | Prepared | ...: <role>')."""
-    return task.startswith(f"{role} : ") or task.endswith(f": {role}")
+    """The role's own task (the header names the role by its full name), or the preflight
+    check it includes on its behalf ('gpufleet.fleet.preflight : Preflight | Prepared |
+    ...: <role>')."""
+    return task.startswith(f"gpufleet.fleet.{role} : ") or task.endswith(f": {role}")
 
 
 # --slow (about 2 minutes): three more preflight refusals of the same kind as driver-old

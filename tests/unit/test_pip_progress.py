@@ -83,6 +83,16 @@ def test_the_wheels_fetched_their_bytes_then_done(tmp_path):
     proc = subprocess.Popen([sys.executable, str(SCRIPT), "--status-file", str(state),
                              "--lock", str(lock), "--name", "vllm venv", "--interval", "0",
                              "--", *command], stdout=subprocess.PIPE, text=True)
+    try:
+        steps(proc, state, tmp_path)
+    finally:  # a failed step leaves no fake pip waiting at its gate
+        for step in (7, 10, 12):
+            (tmp_path / f"gate{step}").touch()
+        proc.kill()
+        proc.wait()
+
+
+def steps(proc, state, tmp_path):
     # the first wheel is on its way: none done yet, the metadata did not count
     first = wait_for(state, lambda s: s.get("files") == 3 and s["state"] == "running")
     assert first["files_done"] == 0 and first["bytes_done"] == 0, first

@@ -117,12 +117,17 @@ def test_under_ansible_runner_the_progress_is_plain_lines_too(tmp_path):
      "h: r/m:  75.0% 3.0 TiB of 4.0 TiB, 500.0 MiB/s, 1 h 02 m left, 7/9 files", 0.75),
     ({"state": "running", "repo": "r/m", "bytes_done": 10, "bytes_total": 100, "eta_s": None},
      "h: r/m:  10.0% 10 B of 100 B, 0 B/s, ? left, 0/0 files", 0.1),
-    # a venv's lock (pip_progress.py): no byte total, so by files
+    # a venv's lock (fetch_progress.py): no byte total, so by files
     ({"state": "running", "repo": "vllm venv", "bytes_done": 3 * 2**30, "files_done": 29,
       "files": 145, "rate_bytes_s": 40 * 2**20, "eta_s": 130},
      "h: vllm venv:  20.0% 29/145 files, 3.0 GiB fetched, 40.0 MiB/s, 2 m 10 s left", 0.2),
     ({"state": "installing", "repo": "vllm venv", "files_done": 145, "files": 145},
      "h: vllm venv: 145 files fetched, installing", 1.0),
+    # an image's layers (fetch_progress.py --pull): by bytes, counted in layers
+    ({"state": "running", "repo": "vllm image", "unit": "layers", "bytes_done": 2**30,
+      "bytes_total": 4 * 2**30, "rate_bytes_s": 2**28, "eta_s": 12, "files_done": 3,
+      "files": 7},
+     "h: vllm image:  25.0% 1.0 GiB of 4.0 GiB, 256.0 MiB/s, 12 s left, 3/7 layers", 0.25),
 ])
 def test_progress_line(status, line, frac):
     assert progress_line("h", status) == (line, frac)

@@ -1,11 +1,12 @@
 """gpufleet's stdout callback: Ansible's default output, plus the progress of long work.
 
 A task that sets the variable ``gpufleet_progress: true`` and polls with ``until`` (the
-cache role's checkpoint download, the engine runtime's venv install) reports through its
-retries: each retry's stdout is the JSON line ``cache_fetch.py --status`` (or
-``pip_progress.py --status``) prints, shown as bytes (or files), rate and ETA instead of
-"FAILED - RETRYING". On a terminal it is one bar redrawn in place; otherwise (a log, CI)
-a plain line when a download starts, then at most one every 10 seconds per host. Under
+cache role's checkpoint download, the engine runtime's venv install and image pull)
+reports through its retries: each retry's stdout is the JSON line ``cache_fetch.py
+--status`` (or ``fetch_progress.py --status``) prints, shown as bytes (or files), rate and
+ETA instead of "FAILED - RETRYING". On a terminal it is one bar redrawn in place;
+otherwise (a log, CI) a plain line when a download starts, then at most one every 10
+seconds per host. Under
 ansible-runner (AWX, AAP), which wraps this callback in its own (`awx_display`) and runs the
 plays on a pseudo-terminal whose output becomes the job's log, the lines are plain too.
 """
@@ -58,25 +59,26 @@ def _duration(secs) -> str:
 
 def progress_line(host: str, status: dict) -> tuple[str, float | None]:
     """One line for a --status JSON, and the fraction done (None before any total): by
-    bytes for a download that has a byte total (a checkpoint, once resolved), by files for
-    one that has none (a venv's lock: pip_progress.py)."""
+    bytes for a download that has a byte total (a checkpoint, once resolved; an image's
+    layers, fetch_progress.py --pull), by files for one that has none (a venv's lock,
+    fetch_progress.py --lock). `unit` names what is counted (files unless said)."""
     total, done = status.get("bytes_total") or 0, status.get("bytes_done") or 0
     files, files_done = status.get("files") or 0, status.get("files_done") or 0
-    name = status.get("repo", "download")
+    name, unit = status.get("repo", "download"), status.get("unit", "files")
     by_files = "bytes_total" not in status and files
     if status.get("state") in (None, "starting") or not (total or by_files):
         return f"{host}: {name}: starting", None
     if by_files:
         if status.get("state") == "installing":
-            return f"{host}: {name}: {files} files fetched, installing", 1.0
+            return f"{host}: {name}: {files} {unit} fetched, installing", 1.0
         frac = min(1.0, files_done / files)
-        return (f"{host}: {name}: {frac:6.1%} {files_done}/{files} files, {_size(done)} "
+        return (f"{host}: {name}: {frac:6.1%} {files_done}/{files} {unit}, {_size(done)} "
                 f"fetched, {_size(status.get('rate_bytes_s') or 0)}/s, "
                 f"{_duration(status.get('eta_s'))} left"), frac
     frac = min(1.0, done / total)
     return (f"{host}: {name}: {frac:6.1%} {_size(done)} of {_size(total)}, "
             f"{_size(status.get('rate_bytes_s') or 0)}/s, {_duration(status.get('eta_s'))} left, "
-            f"{status.get('files_done', 0)}/{status.get('files', 0)} files"), frac
+            f"{files_done}/{files} {unit}"), frac
 
 
 class CallbackModule(Default):

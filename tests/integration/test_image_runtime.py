@@ -91,6 +91,18 @@ def test_engines_run_in_containers_of_the_pinned_digest(deployed):
     assert "podman" not in gateway
 
 
+def test_the_pull_kept_its_progress_and_podmans_lines_without_the_bars(deployed):
+    # podman ran on a terminal under fetch_progress.py: its layers' bars became the status
+    status = json.loads(ssh("lab1", "cat /run/gpufleet/image-pull.json", check=True))
+    assert status["state"] == "done" and status["unit"] == "layers", status
+    assert status["files"] > 0 and status["files_done"] == status["files"], status
+    if "bytes_total" in status:  # layers fetched now (none where the host had them all)
+        assert status["bytes_done"] == status["bytes_total"] > 0, status
+    log = ssh("lab1", "cat /var/log/gpufleet-image-pull.log", check=True)
+    assert "Copying blob" in log and "Writing manifest" in log, log
+    assert "\x1b" not in log and "[=" not in log and "/ " not in log, log  # no bar, no escape
+
+
 def test_acceptance_runs_in_the_engine_image_with_the_gpus_cdi_gives_it(deployed):
     """fab acceptance with the image runtime: the program and its measuring processes run
     in a container of the pinned image (its PyTorch), the GPUs by CDI as the units get

@@ -32,6 +32,8 @@ INVENTORY_OVERRIDES = {
     "gpufleet_tls_cert_file": "tls_cert_file",
     "gpufleet_tls_key_file": "tls_key_file",
     "gpufleet_tls_ca_file": "tls_ca_file",
+    "gpufleet_metrics_allow": "metrics_allow",
+    "gpufleet_metrics_port": "metrics_port",
     "gpufleet_replicas": "replicas",
     "gpufleet_workers": "workers",
     "gpufleet_runtime": "runtime",

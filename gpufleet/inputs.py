@@ -100,6 +100,20 @@ def port(value, what: str) -> int:
     return value
 
 
+def network(value, what: str) -> str:
+    """An address or network (CIDR) nginx's `allow` takes: IPv4 or IPv6, host bits zero;
+    an address as written, a network with its prefix."""
+    import ipaddress
+
+    value = text(value, what)
+    try:
+        net = ipaddress.ip_network(value, strict=True)
+    except ValueError:
+        raise ValueError(f"{what} {value!r} is not an address or a network such as "
+                         "10.0.0.0/8 (host bits zero)") from None
+    return str(net.network_address) if net.prefixlen == net.max_prefixlen else str(net)
+
+
 def gpu_index(value, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"{what} {value!r} is not a GPU index (0, 1, ...)")

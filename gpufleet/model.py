@@ -76,6 +76,10 @@ class Overrides(BaseModel):
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
     tls_ca_file: str | None = None
+    # the metrics listener on every host of the deployment (roles/serve): the addresses or
+    # networks that may scrape it (empty: no listener) and its port
+    metrics_allow: list[str] = Field(default_factory=list)
+    metrics_port: int = 9464
     # a single-node target on every host of its group: one independent copy per host
     replicas: bool = False
     # engine role -> how many workers of it run behind the target's one router (default 1
@@ -132,6 +136,21 @@ class Overrides(BaseModel):
                 _named(inputs.port, v, f"gpufleet_ports.{role}.{name}",
                        "choose a free port from 1024 to 65535")
         return value
+
+    @field_validator("metrics_allow", mode="before")
+    @classmethod
+    def _metrics_allow(cls, value):
+        if not isinstance(value, list):
+            raise ValueError(f"gpufleet_metrics_allow {value!r} is not a list. Fix: list the "
+                             "Prometheus servers' addresses or networks, e.g. [10.0.0.5]")
+        return [_named(inputs.network, v, "gpufleet_metrics_allow",
+                       "list the Prometheus servers' addresses or networks") for v in value]
+
+    @field_validator("metrics_port", mode="before")
+    @classmethod
+    def _metrics_port(cls, value):
+        return _named(inputs.port, value, "gpufleet_metrics_port",
+                      "choose a free port from 1024 to 65535")
 
     @field_validator("gpus", mode="before")
     @classmethod
@@ -340,6 +359,8 @@ class Process:
     container: dict | None = None
     front: bool = False  # clients talk to it: the endpoint's process (plan._front, the gateway)
     health: HealthCheck | None = None  # plan._health
+    # where its own host reads its Prometheus metrics (plan._metrics); None: it has none
+    metrics: str | None = None
 
     @property
     def is_engine(self) -> bool:
@@ -463,6 +484,8 @@ class Plan:
     # who may reach each port: clients, nobody off the host (loopback), the deployment's
     # hosts (peers); plan._exposure
     exposure: dict = field(default_factory=dict)
+    # the metrics listener and the scrape targets (plan._monitoring)
+    monitoring: dict = field(default_factory=dict)
 
     def by_role(self, role: str) -> list[Process]:
         return [p for p in self.processes if p.role == role]
@@ -501,6 +524,7 @@ class Plan:
             "inventory": self.inventory,
             "hosts_record": self.hosts_record,
             "exposure": self.exposure,
+            "monitoring": self.monitoring,
         }
 
 

@@ -295,8 +295,7 @@ def compose(
     revision = ov.model_revision or model.revision
     cache = _cache(ov, model, draft, revision, engine)
     processes, fronts = [], []
-    for replica in _place(target, topology, hardware, inventory, ov, pool,
-                          engine.pool_router_ports if ov.pooled else {}):
+    for replica in _place(target, topology, hardware, inventory, ov, pool, engine.router_ports):
         front = _front(replica)
         if ov.api_key:
             replica.append(_gateway(front))
@@ -320,7 +319,9 @@ def compose(
         lock_file=deploy_lock_path(inventory),
     )
     plan.exposure = _exposure(processes)
+    plan.monitoring = _monitoring(ov, inventory, target, processes)
     plan.hosts = _host_requirements(plan, inventory)
+    problems += _check_metrics_port(plan)
     if image is None:
         problems += _engine_locks(plan, inventory, catalog)
     else:
@@ -368,6 +369,9 @@ def _layer_options(catalog, target, topology, ov: Overrides, problems: list[Prob
             draft = catalog.models[option.draft_model]
     for bundle in topology.use:  # a pooled topology's router and discovery
         roles = cat.merge_keep_nulls(roles, catalog.bundles[bundle]["roles"])
+    if catalog.engines[target.engine].router_args:  # every router's own (its metrics)
+        roles = cat.merge_keep_nulls(
+            roles, {"router": {"args": catalog.engines[target.engine].router_args}})
     if ov.pooled:  # a pool: its router's and engines' own flags
         for role, args in catalog.engines[target.engine].pool_args.items():
             roles = cat.merge_keep_nulls(roles, {role: {"args": args}})
@@ -453,7 +457,8 @@ def _place(target, topology, hardware, inventory, ov: Overrides,
     """The processes of each copy: one list, or one per host with replicas."""
     if ov.replicas and list(topology.groups.values()) == [1]:
         (group,) = topology.groups
-        return [_place_one(target, topology, hardware, inventory, ov, {group: [host]})
+        return [_place_one(target, topology, hardware, inventory, ov, {group: [host]},
+                           router_ports=router_ports)
                 for host in inventory.group(group)]
     return [_place_one(target, topology, hardware, inventory, ov, None, pool, router_ports)]
 
@@ -680,6 +685,7 @@ def _render(processes, roles, target, model, draft, engine, catalog, cache, ov,
         p.readiness = _readiness(p, target, model, ov)
     for p in processes:
         p.health = _health(p, [q for q in processes if q.host == p.host], model)
+        p.metrics = _metrics(p)
     routers = [p for p in processes if p.role == "router"]
     # a pool worker's way back after a rolling restart: moved by the restart through a
     # router that takes it back through its API, or several behind the gateway (the
@@ -771,6 +777,55 @@ def _health(p: Process, beside: list[Process], model) -> HealthCheck:
                        host_services=p.is_engine, drain=p.is_engine)
 
 
+def _metrics(p: Process) -> str | None:
+    """Where its own host reads a process's Prometheus metrics (the metrics listener serves
+    them from there); None: it serves none (the gateway; a rank > 0 of a multi-node engine,
+    which serves no HTTP)."""
+    if p.role == "gateway":
+        return None
+    if p.role == "etcd":
+        return f"http://{p.address}:{p.ports['client']}/metrics"
+    if "metrics" in p.ports:  # a router's own metrics port, on loopback (catalog router_args)
+        return f"http://127.0.0.1:{p.ports['metrics']}/metrics"
+    if "system" in p.ports:  # a Dynamo worker: its system server
+        return f"{_local(p, 'system')}/metrics"
+    if "http" in p.ports and p.node_rank == 0:  # vLLM, SGLang (--enable-metrics), Dynamo's frontend
+        return f"{_local(p)}/metrics"
+    return None
+
+
+def _monitoring(ov: Overrides, inventory, target, processes: list[Process]) -> dict:
+    """The metrics listener each host of the deployment runs where gpufleet_metrics_allow
+    names who may scrape it (roles/serve: nginx on the host's address, that list allowed,
+    everyone else refused), and the scrape targets `fab monitoring` gives Prometheus: each
+    process's metrics at /metrics/PROCESS on its host's listener, labelled with the
+    deployment, the target, the host, the role and the process."""
+    listener = {"port": ov.metrics_port, "allow": list(ov.metrics_allow)} \
+        if ov.metrics_allow else None
+    return {"deployment": deployment_id(inventory), "target": target.name,
+            "listener": listener,
+            "targets": [{"host": p.host, "address": p.address, "process": p.name,
+                         "role": p.role, "unit": p.unit, "path": f"/metrics/{p.name}",
+                         "upstream": p.metrics} for p in processes if p.metrics]}
+
+
+def _check_metrics_port(plan: Plan) -> list[Problem]:
+    """The listener's port is free on every host (no process of the plan has it); each
+    host's ports then include it (preflight checks nothing else holds it)."""
+    listener = plan.monitoring["listener"]
+    if not listener:
+        return []
+    problems = []
+    for name, req in plan.hosts.items():
+        taken = [p.name for p in plan.on_host(name) if listener["port"] in p.ports.values()]
+        if taken:
+            problems.append(Problem(
+                "gpufleet_metrics_port", f"{listener['port']} is the {taken[0]}'s port on {name}",
+                "choose another port for the metrics listener (gpufleet_metrics_port)"))
+        req.ports = sorted({*req.ports, listener["port"]})
+    return problems
+
+
 def _readiness(p: Process, target, model, ov: Overrides) -> Readiness:
     if p.role == "etcd":
         return Readiness(url=f"http://{p.address}:{p.ports['client']}/health",
@@ -859,8 +914,8 @@ def _listens_at_bind(p: Process) -> set[str]:
 def _exposure(processes: list[Process]) -> dict:
     """Who may reach each port: clients the fronts' ports; nobody off the host the ports
     the plan binds to loopback (beside a gateway's own port, which is the gateway's on
-    the host's address); the deployment's hosts the rest (the firewall role closes those
-    to everyone else where it is on). The deploy proves it (playbooks/verify.yml)."""
+    the host's address) and the routers' metrics; the deployment's hosts the rest (the
+    firewall role closes those to everyone else where it is on). The deploy proves it (playbooks/verify.yml)."""
     gateway_ports = {(g.host, g.ports["http"]) for g in processes if g.role == "gateway"}
     out: dict[str, list[dict]] = {"clients": [], "loopback": [], "peers": []}
     for p in processes:
@@ -869,7 +924,9 @@ def _exposure(processes: list[Process]) -> dict:
                      "name": name, "port": port}
             if p.front and name == "http":
                 out["clients"].append(entry)
-            elif p.bind == "127.0.0.1" and name in _listens_at_bind(p):
+            elif (p.bind == "127.0.0.1" and name in _listens_at_bind(p)) or name == "metrics":
+                # a router's metrics: on loopback always (catalog router_args), served off
+                # the host by the metrics listener only
                 if (p.host, port) not in gateway_ports:
                     out["loopback"].append(entry)
             else:

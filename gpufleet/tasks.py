@@ -309,10 +309,10 @@ def _plan(target, inventory, with_="", set_=None, unset=None, runtime=None):
 
 def _deployed(target, inventory):
     """The plan of what was last deployed to the inventory, for the tasks that act on a
-    deployment (status, logs, health, smoke, endpoint, restart, bench, teardown): with
-    --target, that target; else the target and options the inventory's last deploy served
-    (the controller's record of it), saying so, and the inventory's gpufleet_target where
-    none is recorded."""
+    deployment (status, logs, health, smoke, endpoint, monitoring, restart, bench,
+    teardown): with --target, that target; else the target and options the inventory's
+    last deploy served (the controller's record of it), saying so, and the inventory's
+    gpufleet_target where none is recorded."""
     if target:
         return _plan(target, inventory)
     from gpufleet import inventory as inv_mod
@@ -559,6 +559,42 @@ def endpoint(c, target=None, inventory=DEFAULT_INVENTORY, format="text"):
         if _ca_file(p):
             print(f"ca:       {_ca_file(p)} (the certificate clients verify the endpoint "
                   "with)")
+
+
+@inventory_task(help={"target": PLAN_HELP["target"], "inventory": PLAN_HELP["inventory"],
+            "format": "text (default: the job and the targets) or json (the targets only)",
+            "write": "write the targets to DIR/DEPLOYMENT.json (a folder Prometheus reads)"})
+def monitoring(c, target=None, inventory=DEFAULT_INVENTORY, format="text", write=None):
+    """Prometheus's scrape targets for the deployment: its processes' metrics, labelled."""
+    from gpufleet import monitoring as mon
+
+    _format(format, "text", "json")
+    p = _deployed(target, inventory)
+    m = p.monitoring
+    if not m["listener"]:
+        raise Exit("gpufleet: no host of this deployment serves metrics: "
+                   "gpufleet_metrics_allow is empty. Fix: list your Prometheus servers' "
+                   "addresses in the inventory (gpufleet_metrics_allow: [10.0.0.5]) and "
+                   "deploy again", code=2)
+    if write:
+        try:
+            path = mon.write(m, os.path.expanduser(write))
+        except OSError as exc:
+            raise Exit(f"gpufleet: cannot write the targets into {write}: {exc.strerror}. "
+                       "Fix: name a folder you may write (Prometheus's file_sd folder)",
+                       code=1) from None
+        print(f"gpufleet: {len(m['targets'])} targets of {m['deployment']} in {path}",
+              file=sys.stderr)
+    if format == "json":
+        print(json.dumps(mon.file_sd(m), indent=2))
+        return
+    folder = os.path.dirname(path) if write else "/etc/prometheus/gpufleet"
+    print(f"# {m['deployment']} ({m['target']}): {len(m['targets'])} targets, each host's "
+          f"metrics listener at port {m['listener']['port']}, open to "
+          f"{', '.join(m['listener']['allow'])}")
+    if not write:
+        print(f"# write the targets: fab monitoring -i {inventory} --write {folder}")
+    print(f"# then, once, in prometheus.yml under scrape_configs:\n{mon.scrape_config(folder)}")
 
 
 @inventory_task(help={"target": PLAN_HELP["target"], "inventory": PLAN_HELP["inventory"],
@@ -826,8 +862,8 @@ def _failure(report: dict, host: str) -> str:
     return "failed"
 
 
-ns = Collection(targets, plan, deploy, endpoint, bench, prepare, cache, smoke, status, logs,
-                restart, teardown, health, acceptance)
+ns = Collection(targets, plan, deploy, endpoint, monitoring, bench, prepare, cache, smoke,
+                status, logs, restart, teardown, health, acceptance)
 if IN_CHECKOUT and (LAB / "gpufleet_lab").is_dir():
     sys.path.insert(0, str(LAB))
     from gpufleet_lab.tasks import lab

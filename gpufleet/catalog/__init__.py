@@ -189,16 +189,18 @@ class Engine(_Strict):
     # answers again (a rolling restart's wait where it cannot move the worker itself)
     pool_args: dict[str, dict[str, Any]] = Field(default_factory=dict)
     pool_rejoin_s: int = 0
+    # every router's own flags and the ports it has beyond the topology's (its metrics,
+    # on loopback: the metrics listener serves them to the monitoring network)
+    router_args: dict[str, Any] = Field(default_factory=dict)
+    router_ports: dict[str, int] = Field(default_factory=dict)
     # a rolling restart: the router's call that takes a worker out of its pool before it
     # stops, and the one that takes it back once it serves. A router that cannot take a
     # worker back (no pool_rejoin) is restarted instead, so a pool has pool_routers of them
     # behind the gateway (the extra ones on the first's host, its ports + 100 each), each
-    # restarted in turn. pool_router_ports: the ports each router of a pool has beyond
-    # the topology's.
+    # restarted in turn.
     pool_leave: PoolCall | None = None
     pool_rejoin: PoolCall | None = None
     pool_routers: int = 1
-    pool_router_ports: dict[str, int] = Field(default_factory=dict)
 
 
 class TopologyProcess(_Strict):

@@ -181,7 +181,7 @@ def test_every_task_that_runs_a_playbook_takes_the_options():
         opts = {a.name for a in t.get_arguments()}
         if name in ("targets",):
             assert "ask_vault_pass" not in opts
-        elif name in ("plan", "endpoint", "bench"):
+        elif name in ("plan", "endpoint", "monitoring", "bench"):
             assert "ask_vault_pass" in opts and "limit" not in opts, name
         else:
             assert set(tasks.ANSIBLE_OPTIONS) <= opts, name

@@ -27,6 +27,8 @@ IMPLIED_FLAGS = {
     "--enable-auto-tool-choice",
     "--limit-mm-per-prompt",      # 002 promises one image per prompt (issue 10)
     "--revision",                 # the checkpoint's commit, pinned by the deploy (docs/plan.md)
+    "--prometheus-host",          # the router's metrics on loopback, for the metrics listener
+    "--prometheus-port",
 }
 IMPLIED_ENV = {
     "CUDA_VISIBLE_DEVICES",        # GPUs pinned for every engine unit
@@ -159,7 +161,10 @@ def test_without_the_key_the_router_is_the_seeds_exactly(seed):
 def test_the_gateway_takes_the_seeds_client_port(seed):
     plan = make_plan("h200-pd-1node")
     (gateway,), (router,) = plan.by_role("gateway"), plan.by_role("router")
-    assert gateway.ports == {"http": 8000} == router.ports
+    assert gateway.ports == {"http": 8000}
+    assert router.ports == {"http": 8000, "metrics": 29000}  # its metrics on loopback
+    assert "--prometheus-host=127.0.0.1" in router.argv or \
+        router.argv[router.argv.index("--prometheus-host") + 1] == "127.0.0.1"
     assert gateway.bind == gateway.address and router.bind == "127.0.0.1"
     assert plan.endpoint == f"https://{gateway.address}:8000/v1"
     assert plan.api["key_required"] and plan.endpoints == [plan.endpoint]

@@ -72,6 +72,13 @@ description:
     deploy makes a self-signed pair, kept in ~/.config/gpufleet/tls/DEPLOYMENT.crt and .key.
     None has a command-line option.
   - >-
+    C(gpufleet_metrics_allow) lists the addresses or networks (for example
+    C([10.0.0.5, 10.8.0.0/16])) of the Prometheus servers that may scrape the deployment:
+    every host then runs a metrics listener on its address at C(gpufleet_metrics_port)
+    (default 9464) that serves each process's metrics at /metrics/PROCESS to those and
+    refuses everyone else (C(fab monitoring) writes Prometheus's targets). Empty (the
+    default): no listener. Neither has a command-line option.
+  - >-
     C(gpufleet_replicas) (true) runs a single-node target on every host of its group, one
     independent copy each with its own endpoint. It has no command-line option.
   - >-

@@ -1,0 +1,181 @@
+"""What the plan says of the deployment's metrics (`monitoring`), and `fab monitoring`.
+
+Every process that serves Prometheus metrics has the URL its own host reads them at
+(a router's on loopback at its own port, SGLang's with --enable-metrics, a Dynamo worker's
+system server, etcd's client port); gpufleet_metrics_allow turns on each host's listener,
+whose port is refused where a process of the plan has it; the scrape targets carry the
+deployment's labels and the path the listener serves each process at.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gpufleet import inventory as inv_mod
+from gpufleet import monitoring
+from gpufleet.model import PlanError
+from gpufleet.plan import make_plan
+
+REPO = Path(__file__).resolve().parents[2]
+ALLOW = {"metrics_allow": ["10.0.0.5", "10.8.0.0/16"]}
+
+
+def hosts(**groups: int) -> inv_mod.Inventory:
+    members, all_hosts = {}, {}
+    for group, count in groups.items():
+        members[group] = []
+        for i in range(1, count + 1):
+            name = f"{group}-{i}"
+            all_hosts[name] = inv_mod.Host(name, f"10.9.{len(all_hosts)}.{i}")
+            members[group].append(name)
+    return inv_mod.Inventory(hosts=all_hosts, groups=members, source="inventories/eu1")
+
+
+def upstreams(plan) -> dict[str, str]:
+    return {t["process"]: t["upstream"] for t in plan.monitoring["targets"]}
+
+
+def flag(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+def test_vllm_pd_engines_and_the_router_on_loopback():
+    plan = make_plan("h200-pd-1node", hosts(workers=1), ALLOW)
+    assert upstreams(plan) == {"prefill": "http://127.0.0.1:8001/metrics",
+                               "decode": "http://127.0.0.1:8002/metrics",
+                               "router": "http://127.0.0.1:29000/metrics"}
+    (router,) = plan.by_role("router")
+    # sglang-router binds its metrics on every address unless told: the plan says loopback
+    assert (flag(router.argv, "--prometheus-host"), flag(router.argv, "--prometheus-port")) == \
+        ("127.0.0.1", "29000")
+    assert {"process": "router", "host": "workers-1", "address": "10.9.0.1", "name": "metrics",
+            "port": 29000} in plan.exposure["loopback"]
+    assert plan.monitoring["listener"] == {"port": 9464, "allow": ["10.0.0.5", "10.8.0.0/16"]}
+    assert 9464 in plan.hosts["workers-1"].ports  # preflight checks nothing else holds it
+    assert all(t["path"] == f"/metrics/{t['process']}" for t in plan.monitoring["targets"])
+
+
+def test_sglang_pd_engines_and_the_router():
+    plan = make_plan("sglang-h200-pd", hosts(prefill=1, decode=1), ALLOW)
+    assert upstreams(plan) == {"prefill": "http://10.9.0.1:30000/metrics",
+                               "decode": "http://10.9.1.1:30000/metrics",
+                               "router": "http://127.0.0.1:29000/metrics"}
+    assert all("--enable-metrics" in p.argv for p in plan.engines)
+
+
+def test_dynamo_workers_system_servers_the_frontend_and_etcd():
+    plan = make_plan("h200-disagg", hosts(prefill=1, decode=1), ALLOW)
+    assert upstreams(plan) == {"etcd": "http://10.9.0.1:2379/metrics",
+                               "prefill": "http://10.9.0.1:9090/metrics",
+                               "decode": "http://10.9.1.1:9090/metrics",
+                               "router": "http://127.0.0.1:8000/metrics"}
+    assert not any(p.role == "gateway" and p.metrics for p in plan.processes)
+
+
+def test_a_multi_node_engines_other_ranks_serve_no_metrics():
+    plan = make_plan("sglang-h200-balanced-bf16", hosts(workers=2), ALLOW)
+    assert upstreams(plan) == {"worker-0": "http://127.0.0.1:30000/metrics"}
+
+
+def test_each_router_of_a_pool_has_its_own_metrics_port():
+    plan = make_plan("h200-pd-1node", hosts(workers=2),
+                     {**ALLOW, "workers": {"prefill": 2, "decode": 1}})
+    routers = plan.by_role("router")
+    assert len(routers) == 2
+    ports = [flag(r.argv, "--prometheus-port") for r in routers]
+    assert ports == ["29000", "29100"], ports
+    assert [upstreams(plan)[r.name] for r in routers] == [
+        "http://127.0.0.1:29000/metrics", "http://127.0.0.1:29100/metrics"]
+
+
+def test_without_an_allow_list_no_listener():
+    plan = make_plan("h200-pd-1node", hosts(workers=1))
+    assert plan.monitoring["listener"] is None and 9464 not in plan.hosts["workers-1"].ports
+    assert plan.monitoring["targets"]  # what the processes serve is planned all the same
+
+
+@pytest.mark.parametrize(("overrides", "field", "says"), [
+    ({"metrics_port": 8001}, "gpufleet_metrics_port", "8001 is the prefill's port on workers-1"),
+    ({"metrics_port": 29000}, "gpufleet_metrics_port", "the router's port"),
+])
+def test_the_listeners_port_is_refused_where_a_process_has_it(overrides, field, says):
+    with pytest.raises(PlanError) as err:
+        make_plan("h200-pd-1node", hosts(workers=1), {**ALLOW, **overrides})
+    assert field in str(err.value) and says in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize(("value", "says"), [
+    ("10.0.0.5", "is not a list"),
+    (["10.0.0.5/8"], "host bits zero"),
+    (["prometheus.example"], "is not an address or a network"),
+    (["10.0.0.5\nallow all"], "control character"),
+])
+def test_a_bad_allow_list_is_refused_with_the_fix(value, says):
+    with pytest.raises(PlanError) as err:
+        make_plan("h200-pd-1node", hosts(workers=1), {"metrics_allow": value})
+    assert "gpufleet_metrics_allow" in str(err.value) and says in str(err.value)
+    assert "Fix:" in str(err.value)
+
+
+def test_file_sd_labels_each_process_with_its_deployment():
+    plan = make_plan("sglang-h200-pd", hosts(prefill=1, decode=1), ALLOW)
+    groups = monitoring.file_sd(plan.monitoring)
+    assert {"targets": ["10.9.0.1:9464"],
+            "labels": {"__metrics_path__": "/metrics/router", "deployment": "eu1",
+                       "target": "sglang-h200-pd", "host": "prefill-1", "role": "router",
+                       "process": "router"}} in groups
+    assert len(groups) == 3
+
+
+def test_the_targets_file_is_written_whole(tmp_path):
+    plan = make_plan("h200-pd-1node", hosts(workers=1), ALLOW)
+    path = monitoring.write(plan.monitoring, str(tmp_path / "sd"))
+    assert path == str(tmp_path / "sd" / "eu1.json")
+    assert json.loads(Path(path).read_text()) == monitoring.file_sd(plan.monitoring)
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o644
+    assert os.listdir(tmp_path / "sd") == ["eu1.json"]  # no temporary file left
+
+
+def fab(tmp_path, *args):
+    env = {**os.environ, "XDG_CONFIG_HOME": str(tmp_path / "config")}
+    return subprocess.run([sys.executable, "-m", "gpufleet", "monitoring", *args], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=120)
+
+
+def inventory(tmp_path, allow):
+    inv = tmp_path / "eu1"
+    (inv / "group_vars").mkdir(parents=True)
+    (inv / "hosts.yml").write_text(
+        "all:\n  children:\n    workers:\n      hosts:\n"
+        "        gpu1: {ansible_host: 10.9.0.1}\n")
+    (inv / "group_vars" / "all.yml").write_text(
+        "gpufleet_target: h200-pd-1node\n"
+        + (f"gpufleet_metrics_allow: {json.dumps(allow)}\n" if allow else ""))
+    return str(inv)
+
+
+def test_fab_monitoring_writes_the_targets_and_prints_the_job(tmp_path):
+    inv = inventory(tmp_path, ["10.0.0.5"])
+    out = fab(tmp_path, "-i", inv, "--write", str(tmp_path / "sd"))
+    assert out.returncode == 0, out.stderr
+    assert "  - job_name: gpufleet\n    file_sd_configs:\n" in out.stdout
+    assert f"files: ['{tmp_path}/sd/*.json']" in out.stdout
+    assert "open to 10.0.0.5" in out.stdout
+    written = json.loads((tmp_path / "sd" / "eu1.json").read_text())
+    assert {g["labels"]["process"] for g in written} == {"prefill", "decode", "router"}
+    assert all(g["targets"] == ["10.9.0.1:9464"] for g in written)
+    as_json = fab(tmp_path, "-i", inv, "--format", "json")
+    assert as_json.returncode == 0 and json.loads(as_json.stdout) == written
+
+
+def test_fab_monitoring_without_an_allow_list_says_what_to_set(tmp_path):
+    out = fab(tmp_path, "-i", inventory(tmp_path, None))
+    assert out.returncode == 2 and not out.stdout
+    assert "gpufleet_metrics_allow is empty" in out.stderr and "Fix:" in out.stderr

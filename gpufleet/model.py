@@ -25,10 +25,11 @@ from . import inputs
 ENGINE_ROLES = ("worker", "prefill", "decode")
 # every role a process can have, in start order (the one list of them: fab's --role, the
 # playbooks' role filters and the health checker's config read it or the plan)
-START_ORDER = {"etcd": 0, "worker": 1, "prefill": 1, "decode": 1, "router": 2, "gateway": 3}
+START_ORDER = {"etcd": 0, "worker": 1, "prefill": 1, "decode": 1, "router": 2, "gateway": 3,
+               "metrics": 3}
 ROLES = tuple(START_ORDER)
 # roles whose program comes from a catalog entry of their own, not the target's engine
-OWN_PROGRAM = ("etcd", "gateway")
+OWN_PROGRAM = ("etcd", "gateway", "metrics")
 DEFAULT_CACHE_DIR = "/var/cache/gpufleet/hf"
 # Fit check: weights may take at most this share of the memory an engine may use;
 # the rest is KV cache, activations and CUDA graphs.
@@ -76,8 +77,8 @@ class Overrides(BaseModel):
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
     tls_ca_file: str | None = None
-    # the metrics listener on every host of the deployment (roles/serve): the addresses or
-    # networks that may scrape it (empty: no listener) and its port
+    # the metrics listener on every host of the deployment (plan._listener, roles/serve):
+    # the addresses or networks that may scrape it (empty: no listener) and its port
     metrics_allow: list[str] = Field(default_factory=list)
     metrics_port: int = 9464
     # a single-node target on every host of its group: one independent copy per host
@@ -381,8 +382,9 @@ class Process:
     @property
     def rolled(self) -> bool:
         """fab restart restarts it unless asked for its role: every process but the
-        gateway (nginx holds the clients' connections; a routers' restart needs none of it)."""
-        return self.role != "gateway"
+        gateway (nginx holds the clients' connections; a routers' restart needs none of it)
+        and the metrics listener (it proxies; nothing of it changes with an engine)."""
+        return self.role not in ("gateway", "metrics")
 
     @property
     def command(self) -> str:
@@ -574,6 +576,7 @@ def host_slices(plan_json: dict) -> dict[str, dict]:
         # every start level of the deployment: hosts start level by level together
         "start_orders": sorted({p["order"] for p in plan_json["processes"]}),
     }
+    monitoring = plan_json["monitoring"]
     for name, req in plan_json["hosts"].items():
         out[name] = {
             "name": name, **req,
@@ -581,5 +584,8 @@ def host_slices(plan_json: dict) -> dict[str, dict]:
             "target": plan_json["target"], "engine_name": plan_json["engine"],
             "model": plan_json["model"], "api": plan_json["api"],
             "checkpoint": plan_json["cache"], **deployment,
+            # this host's metrics listener and what it serves (roles/serve, metrics.yml)
+            "monitoring": {**monitoring, "targets": [
+                t for t in monitoring["targets"] if t["host"] == name]},
         }
     return out

@@ -50,6 +50,7 @@ from .model import (  # noqa: F401 (the planner's public names, as before the mo
 from .overrides import managed, pinned
 
 GATEWAY_CONF_DIR = "/etc/gpufleet/gateway"
+METRICS_CONF_DIR = "/etc/gpufleet/metrics"  # the metrics listener's (engines.yml `metrics`)
 GATEWAY_RETRIES = 4  # a pool's failed request is sent again 4 times: five tries
 # a pool worker's type as vllm-router and sglang-router name it (GET and POST /workers):
 # an aggregated target's worker is "regular"
@@ -305,6 +306,9 @@ def compose(
                 if p.role == "router" or p is front:
                     p.bind = "127.0.0.1"
         replica[-1 if ov.api_key else replica.index(front)].front = True
+        if ov.metrics_allow:  # each host's metrics listener (plan._monitoring)
+            replica += [_listener(host, address, ov)
+                        for host, address in dict.fromkeys((p.host, p.address) for p in replica)]
         _render(replica, roles, target, model, draft, engine, catalog, cache, ov,
                 in_image=image is not None)
         processes += replica
@@ -321,7 +325,6 @@ def compose(
     plan.exposure = _exposure(processes)
     plan.monitoring = _monitoring(ov, inventory, target, processes)
     plan.hosts = _host_requirements(plan, inventory)
-    problems += _check_metrics_port(plan)
     if image is None:
         problems += _engine_locks(plan, inventory, catalog)
     else:
@@ -781,7 +784,7 @@ def _metrics(p: Process) -> str | None:
     """Where its own host reads a process's Prometheus metrics (the metrics listener serves
     them from there); None: it serves none (the gateway; a rank > 0 of a multi-node engine,
     which serves no HTTP)."""
-    if p.role == "gateway":
+    if p.role in ("gateway", "metrics"):
         return None
     if p.role == "etcd":
         return f"http://{p.address}:{p.ports['client']}/metrics"
@@ -795,40 +798,35 @@ def _metrics(p: Process) -> str | None:
 
 
 def _monitoring(ov: Overrides, inventory, target, processes: list[Process]) -> dict:
-    """The metrics listener each host of the deployment runs where gpufleet_metrics_allow
-    names who may scrape it (roles/serve: nginx on the host's address, that list allowed,
-    everyone else refused), and the scrape targets `fab monitoring` gives Prometheus: each
-    process's metrics at /metrics/PROCESS on its host's listener, labelled with the
-    deployment, the target, the host, the role and the process."""
+    """Who may scrape the deployment (the listeners', plan._listener), and the scrape
+    targets `fab monitoring` gives Prometheus: each process's metrics at /metrics/PROCESS
+    on its host's listener, labelled with the deployment, the target, the host, the role
+    and the process."""
     listener = {"port": ov.metrics_port, "allow": list(ov.metrics_allow)} \
         if ov.metrics_allow else None
     return {"deployment": deployment_id(inventory), "target": target.name,
-            "listener": listener,
+            "listener": listener, "conf_dir": METRICS_CONF_DIR,
             "targets": [{"host": p.host, "address": p.address, "process": p.name,
                          "role": p.role, "unit": p.unit, "path": f"/metrics/{p.name}",
                          "upstream": p.metrics} for p in processes if p.metrics]}
 
 
-def _check_metrics_port(plan: Plan) -> list[Problem]:
-    """The listener's port is free on every host (no process of the plan has it); each
-    host's ports then include it (preflight checks nothing else holds it)."""
-    listener = plan.monitoring["listener"]
-    if not listener:
-        return []
-    problems = []
-    for name, req in plan.hosts.items():
-        taken = [p.name for p in plan.on_host(name) if listener["port"] in p.ports.values()]
-        if taken:
-            problems.append(Problem(
-                "gpufleet_metrics_port", f"{listener['port']} is the {taken[0]}'s port on {name}",
-                "choose another port for the metrics listener (gpufleet_metrics_port)"))
-        req.ports = sorted({*req.ports, listener["port"]})
-    return problems
+def _listener(host: str, address: str, ov: Overrides) -> Process:
+    """nginx on a host of the deployment where gpufleet_metrics_allow names who may scrape
+    it: on the host's address (and loopback, for the host's own probes) at
+    gpufleet_metrics_port, each process of the host's metrics at /metrics/PROCESS to the
+    allowed addresses, 403 to everyone else (roles/serve, metrics-nginx.conf.j2)."""
+    return Process(name="metrics", role="metrics", host=host, address=address, argv=[],
+                   env={}, unit="gpufleet-metrics.service", ports={"http": ov.metrics_port},
+                   gpus=[], order=START_ORDER["metrics"], bind=address)
 
 
 def _readiness(p: Process, target, model, ov: Overrides) -> Readiness:
     if p.role == "etcd":
         return Readiness(url=f"http://{p.address}:{p.ports['client']}/health",
+                         timeout_s=ROUTER_TIMEOUT_S)
+    if p.role == "metrics":  # nginx itself answers /health, to the host itself
+        return Readiness(url=f"http://127.0.0.1:{p.ports['http']}/health",
                          timeout_s=ROUTER_TIMEOUT_S)
     if p.role == "gateway":
         # /health passes the gateway without a key to the process behind it; over TLS,
@@ -914,15 +912,19 @@ def _listens_at_bind(p: Process) -> set[str]:
 def _exposure(processes: list[Process]) -> dict:
     """Who may reach each port: clients the fronts' ports; nobody off the host the ports
     the plan binds to loopback (beside a gateway's own port, which is the gateway's on
-    the host's address) and the routers' metrics; the deployment's hosts the rest (the
-    firewall role closes those to everyone else where it is on). The deploy proves it (playbooks/verify.yml)."""
+    the host's address) and the routers' metrics; the monitoring network the metrics
+    listeners' (gpufleet_metrics_allow); the deployment's hosts the rest (the firewall
+    role closes those to everyone else where it is on). The deploy proves it
+    (playbooks/verify.yml)."""
     gateway_ports = {(g.host, g.ports["http"]) for g in processes if g.role == "gateway"}
-    out: dict[str, list[dict]] = {"clients": [], "loopback": [], "peers": []}
+    out: dict[str, list[dict]] = {"clients": [], "loopback": [], "peers": [], "monitoring": []}
     for p in processes:
         for name, port in p.ports.items():
             entry = {"process": p.name, "host": p.host, "address": p.address,
                      "name": name, "port": port}
-            if p.front and name == "http":
+            if p.role == "metrics":  # the listener: the monitoring network's only
+                out["monitoring"].append(entry)
+            elif p.front and name == "http":
                 out["clients"].append(entry)
             elif (p.bind == "127.0.0.1" and name in _listens_at_bind(p)) or name == "metrics":
                 # a router's metrics: on loopback always (catalog router_args), served off

@@ -221,7 +221,7 @@ def ports_unique(plan: Plan, catalog) -> list[Problem]:
     free (that one on loopback, or on another address)."""
     problems = []
     by_host: dict[str, dict[int, tuple[Process, str]]] = {}
-    for p in (p for p in plan.processes if p.role != "gateway"):
+    for p in (p for p in plan.processes if p.role not in ("gateway", "metrics")):
         used = by_host.setdefault(p.host, {})
         for name, port in p.ports.items():
             if port in used:
@@ -242,6 +242,16 @@ def ports_unique(plan: Plan, catalog) -> list[Problem]:
                 f"set ports.{other.role}.{name} to another port; the gateway keeps "
                 f"{port} for clients"))
     return problems
+
+
+def metrics_port_free(plan: Plan, catalog) -> list[Problem]:
+    """The metrics listener's port is no other process's on its host (it listens on the
+    host's address and on loopback)."""
+    return [Problem("gpufleet_metrics_port",
+                    f"{m.ports['http']} is the {p.name}'s port on {m.host}",
+                    "choose another port for the metrics listener (gpufleet_metrics_port)")
+            for m in plan.by_role("metrics") for p in plan.on_host(m.host)
+            if p is not m and m.ports["http"] in p.ports.values()]
 
 
 LOOPBACK = ("localhost", "127.0.0.1", "::1", "0.0.0.0", "::")
@@ -398,6 +408,7 @@ RULES: list[Callable[[Plan, object], list[Problem]]] = [
     gpus_disjoint,
     ports_unique,
     gateway_has_an_address,
+    metrics_port_free,
     no_speculative_on_amd,
     dflash2_constraints,
     no_zigzag,

@@ -58,6 +58,7 @@ def test_vllm_pd_engines_and_the_router_on_loopback():
     assert {"process": "router", "host": "workers-1", "address": "10.9.0.1", "name": "metrics",
             "port": 29000} in plan.exposure["loopback"]
     assert plan.monitoring["listener"] == {"port": 9464, "allow": ["10.0.0.5", "10.8.0.0/16"]}
+    assert plan.monitoring["conf_dir"] == "/etc/gpufleet/metrics"
     assert 9464 in plan.hosts["workers-1"].ports  # preflight checks nothing else holds it
     assert all(t["path"] == f"/metrics/{t['process']}" for t in plan.monitoring["targets"])
 
@@ -95,8 +96,30 @@ def test_each_router_of_a_pool_has_its_own_metrics_port():
         "http://127.0.0.1:29000/metrics", "http://127.0.0.1:29100/metrics"]
 
 
+def test_each_host_runs_a_listener_where_an_allow_list_is_set():
+    plan = make_plan("sglang-h200-pd", hosts(prefill=1, decode=1), ALLOW)
+    listeners = plan.by_role("metrics")
+    assert [(m.host, m.bind, m.ports, m.unit) for m in listeners] == [
+        ("prefill-1", "10.9.0.1", {"http": 9464}, "gpufleet-metrics.service"),
+        ("decode-1", "10.9.1.1", {"http": 9464}, "gpufleet-metrics.service")]
+    assert listeners[0].argv == ["/usr/sbin/nginx", "-e", "stderr", "-c",
+                                 "/etc/gpufleet/metrics/nginx.conf"]
+    # the host's own probe, on loopback; fab restart leaves it; it has no metrics itself
+    assert listeners[0].readiness.url == "http://127.0.0.1:9464/health"
+    assert not listeners[0].rolled and listeners[0].metrics is None
+    assert [e["host"] for e in plan.exposure["monitoring"]] == ["prefill-1", "decode-1"]
+    assert "nginx" in plan.hosts["decode-1"].system_packages
+    assert "gpufleet-metrics.service" in plan.hosts["decode-1"].units
+
+
+def test_replicas_one_listener_per_host():
+    plan = make_plan("h200-agg", hosts(workers=2), {**ALLOW, "replicas": True})
+    assert sorted(m.host for m in plan.by_role("metrics")) == ["workers-1", "workers-2"]
+
+
 def test_without_an_allow_list_no_listener():
     plan = make_plan("h200-pd-1node", hosts(workers=1))
+    assert not plan.by_role("metrics") and not plan.exposure["monitoring"]
     assert plan.monitoring["listener"] is None and 9464 not in plan.hosts["workers-1"].ports
     assert plan.monitoring["targets"]  # what the processes serve is planned all the same
 

@@ -26,7 +26,7 @@ NOT_KEYS = {"items", "keys", "values", "get"}
 def plans() -> list[dict]:
     out = []
     for name in sorted(catalog.load().targets):
-        for ov in ({}, {"api_key": False}):
+        for ov in ({}, {"api_key": False}, {"metrics_allow": ["10.0.0.5"]}):
             try:
                 out.append(make_plan(name, None, ov).to_json())
             except PlanError:

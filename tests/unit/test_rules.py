@@ -42,6 +42,9 @@ CASES = {
         "h200-pd-1node", {"gpus": {"decode": [3, 4, 5, 6]}}, "already used by prefill"),
     "ports_unique": (
         "h200-pd-1node", {"ports": {"router": {"http": 8001}}}, "port 8001"),
+    "metrics_port_free": (
+        "h200-pd-1node", {"metrics_allow": ["10.0.0.5"], "metrics_port": 8002},
+        "8002 is the decode's port"),
     "no_speculative_on_amd": (
         "sglang-mi355x-low-latency",
         {"args": {"engines": {"--speculative-algorithm": "EAGLE"}}}, "gfx950"),

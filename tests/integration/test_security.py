@@ -16,6 +16,7 @@ import ssl
 import stat
 import subprocess
 import urllib.error
+import urllib.request
 from pathlib import Path
 
 import openai
@@ -38,7 +39,7 @@ pytestmark = pytest.mark.lab
 TARGET = "h200-pd-1node"
 MODEL = "zai-org/GLM-5.3-Flash"
 # systemd-analyze security goals per unit kind (issue 7)
-EXPOSURE_GOAL = {"router": 3.0, "gateway": 3.0, "prefill": 6.0, "decode": 6.0}
+EXPOSURE_GOAL = {"router": 3.0, "gateway": 3.0, "metrics": 3.0, "prefill": 6.0, "decode": 6.0}
 
 
 @pytest.fixture(scope="module")
@@ -137,14 +138,31 @@ def test_processes_listen_only_where_the_plan_says(deployed):
     ours = [(a, port, proc) for a, port, proc in listening("lab1") if port in ports]
     assert ours, "nothing listens on the plan's ports"
     public = [(a, port, proc) for a, port, proc in ours if a not in ("127.0.0.1", "::1")]
-    # only the gateway faces the network, on the host's address, not on 0.0.0.0
-    assert public == [("10.213.77.11", 8000, "nginx")], public
-    # from another host: the API answers (401 without a key), the engines do not
+    # only the gateway and the metrics listener face the network, on the host's address,
+    # not on 0.0.0.0
+    assert sorted(public) == [("10.213.77.11", 8000, "nginx"), ("10.213.77.11", 9464, "nginx")], \
+        public
+    # from another host: the API answers (401 without a key), the engines and the routers'
+    # own metrics port do not
     probe = ("python3 -c \"import socket,sys; s=socket.socket(); s.settimeout(3); "
              "print(s.connect_ex(('10.213.77.11', int(sys.argv[1]))))\" ")
     assert ssh("lab2", probe + "8000").strip() == "0"
-    for port in sorted(ports - {8000}):
+    for port in sorted(ports - {8000, 9464}):
         assert ssh("lab2", probe + str(port)).strip() != "0", f"port {port} reachable"
+
+
+def test_the_metrics_listener_serves_only_the_addresses_it_lists(deployed):
+    """gpufleet_metrics_allow (the lab's: the controller) gets each process's metrics; a host
+    it does not list (lab2) gets 403 for every path."""
+    monitoring = json.loads(fab("monitoring", "--format", "json").stdout)
+    assert {g["labels"]["process"] for g in monitoring} == {"prefill", "decode", "router"}
+    for group in monitoring:
+        url = f"http://{group['targets'][0]}{group['labels']['__metrics_path__']}"
+        with urllib.request.urlopen(url, timeout=10) as resp:
+            status, body = resp.status, resp.read().decode()
+        assert status == 200 and "# TYPE " in body, (url, status, body[:300])
+        refused = ssh("lab2", f"curl -s -o /dev/null -w '%{{http_code}}' {url}")
+        assert refused == "403", (url, refused)
 
 
 def exposure(host: str, unit: str) -> float:

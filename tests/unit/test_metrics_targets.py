@@ -17,25 +17,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_plan_workers import hosts  # inventories of N hosts a group, 10.9.G.N
 
-from gpufleet import inventory as inv_mod
 from gpufleet import monitoring
 from gpufleet.model import PlanError
 from gpufleet.plan import make_plan
 
 REPO = Path(__file__).resolve().parents[2]
 ALLOW = {"metrics_allow": ["10.0.0.5", "10.8.0.0/16"]}
-
-
-def hosts(**groups: int) -> inv_mod.Inventory:
-    members, all_hosts = {}, {}
-    for group, count in groups.items():
-        members[group] = []
-        for i in range(1, count + 1):
-            name = f"{group}-{i}"
-            all_hosts[name] = inv_mod.Host(name, f"10.9.{len(all_hosts)}.{i}")
-            members[group].append(name)
-    return inv_mod.Inventory(hosts=all_hosts, groups=members, source="inventories/eu1")
 
 
 def upstreams(plan) -> dict[str, str]:
@@ -151,7 +140,7 @@ def test_file_sd_labels_each_process_with_its_deployment():
     plan = make_plan("sglang-h200-pd", hosts(prefill=1, decode=1), ALLOW)
     groups = monitoring.file_sd(plan.monitoring)
     assert {"targets": ["10.9.0.1:9464"],
-            "labels": {"__metrics_path__": "/metrics/router", "deployment": "eu1",
+            "labels": {"__metrics_path__": "/metrics/router", "deployment": "test",
                        "target": "sglang-h200-pd", "host": "prefill-1", "role": "router",
                        "process": "router"}} in groups
     assert len(groups) == 3
@@ -160,10 +149,10 @@ def test_file_sd_labels_each_process_with_its_deployment():
 def test_the_targets_file_is_written_whole(tmp_path):
     plan = make_plan("h200-pd-1node", hosts(workers=1), ALLOW)
     path = monitoring.write(plan.monitoring, str(tmp_path / "sd"))
-    assert path == str(tmp_path / "sd" / "eu1.json")
+    assert path == str(tmp_path / "sd" / "test.json")
     assert json.loads(Path(path).read_text()) == monitoring.file_sd(plan.monitoring)
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o644
-    assert os.listdir(tmp_path / "sd") == ["eu1.json"]  # no temporary file left
+    assert os.listdir(tmp_path / "sd") == ["test.json"]  # no temporary file left
 
 
 def fab(tmp_path, *args):

@@ -207,7 +207,8 @@ def test_sglang_pd_through_the_real_sglang_router(lab):
     state = units("sglang-h200-pd")
     assert {(u["unit"], u["active"]) for u in state.values()} == {
         ("gpufleet-prefill.service", "active"), ("gpufleet-decode.service", "active"),
-        ("gpufleet-router.service", "active"), ("gpufleet-gateway.service", "active")}
+        ("gpufleet-router.service", "active"), ("gpufleet-gateway.service", "active"),
+        ("gpufleet-metrics.service", "active")}  # each host's metrics listener (the lab's)
     assert "gpufleet-decode.service" in ssh("lab2", "systemctl list-units 'gpufleet-*'")
 
 
@@ -220,7 +221,7 @@ def test_dynamo_disaggregated_through_the_real_dynamo_frontend(lab):
     assert {(u["unit"], u["active"]) for u in state.values()} == {
         ("gpufleet-etcd.service", "active"), ("gpufleet-prefill.service", "active"),
         ("gpufleet-decode.service", "active"), ("gpufleet-router.service", "active"),
-        ("gpufleet-gateway.service", "active")}
+        ("gpufleet-gateway.service", "active"), ("gpufleet-metrics.service", "active")}
     # etcd came from the OS package, whose own service stays off
     assert ssh("lab1", "systemctl is-active etcd.service || true").strip() == "inactive"
 

@@ -190,5 +190,6 @@ def test_a_stray_listener_on_the_gateway_port_fails_the_deploy_then_it_heals(dep
     assert status(ENDPOINT + "/models") == 401  # the tampered key map was repaired too
     units = json.loads(fab("status", "--format", "json").stdout)["units"]
     assert {u["unit"] for u in units} == {"gpufleet-worker.service",
-                                          "gpufleet-gateway.service"}
+                                          "gpufleet-gateway.service",
+                                          "gpufleet-metrics.service"}
     assert all(u["active"] == "active" for u in units), units

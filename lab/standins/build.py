@@ -52,7 +52,7 @@ def package_files(name: str, spec: dict, version: str) -> dict[str, bytes]:
     vendor = spec.get("vendor")
     if vendor:
         dest = f"{vendor}/_standin"
-        for path in sorted(CORE.glob("*.py")) + [CORE / "standin.json"]:
+        for path in sorted(CORE.glob("*.py")) + [CORE / "standin.json", CORE / "metrics.json"]:
             files[f"{dest}/{path.name}"] = path.read_bytes()
         files[f"{dest}/engine_flags.py"] = (REPO / "gpufleet" / "engine_flags.py").read_bytes()
         tables = REPO / "gpufleet" / "catalog" / "engine-cli"

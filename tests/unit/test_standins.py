@@ -372,10 +372,12 @@ def test_vllm_streaming_completions_metrics(env, start):
     assert models[0].id == FLASH
     metrics = http(server.url + "/metrics")[1]
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
-                 "vllm:gpu_cache_usage_perc", "vllm:kv_cache_usage_perc",
+                 "vllm:kv_cache_usage_perc", "vllm:request_success_total",
                  "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
-                 "vllm:time_to_first_token_seconds_bucket"):
+                 "vllm:time_to_first_token_seconds_bucket",
+                 "vllm:inter_token_latency_seconds_bucket"):
         assert f"\n{name}{{" in metrics, name
+    assert "vllm:gpu_cache_usage_perc" not in metrics  # gone in vLLM 0.33 (metrics.json)
     generated = [line for line in metrics.splitlines()
                  if line.startswith("vllm:generation_tokens_total")]
     assert float(generated[0].split()[-1]) > 5

@@ -426,7 +426,8 @@ class Handler(JSONHandler):
                 self.send_json(200, e.chat_response(job, out))
         finally:
             e.metrics.end(start, job["prompt_tokens"] if job else 0,
-                          out["generated"] if out else 0, out["finish"] if out else None)
+                          out["generated"] if out else 0, out["finish"] if out else None,
+                          stream=bool(body.get("stream")))
 
     def r_completions(self):
         e = self.engine
@@ -458,20 +459,27 @@ class Handler(JSONHandler):
                 self.send_json(200, resp)
         finally:
             e.metrics.end(start, job["prompt_tokens"] if job else 0, result[2] if result else 0,
-                          result[1] if result else None)
+                          result[1] if result else None, stream=bool(body.get("stream")))
 
     def r_generate(self):
         """SGLang's native /generate (what the router forwards for it)."""
         e = self.engine
         body = self.body()
         params = body.get("sampling_params") or {}
-        job = e.prepare_completion({"prompt": body.get("text") or "",
-                                    "max_tokens": params.get("max_new_tokens") or 128,
-                                    **{k: v for k, v in body.items() if k.startswith("boot")}})
-        text, finish, n = e.completion_text(job)
-        self.send_json(200, {"text": text, "meta_info": {
-            "id": uuid.uuid4().hex, "finish_reason": {"type": finish},
-            "prompt_tokens": job["prompt_tokens"], "completion_tokens": n, "cached_tokens": 0}})
+        start = e.metrics.begin()
+        job, result = None, None
+        try:
+            job = e.prepare_completion({"prompt": body.get("text") or "",
+                                        "max_tokens": params.get("max_new_tokens") or 128,
+                                        **{k: v for k, v in body.items() if k.startswith("boot")}})
+            text, finish, n = result = e.completion_text(job)
+            self.send_json(200, {"text": text, "meta_info": {
+                "id": uuid.uuid4().hex, "finish_reason": {"type": finish},
+                "prompt_tokens": job["prompt_tokens"], "completion_tokens": n,
+                "cached_tokens": 0}})
+        finally:  # the router's requests are the engine's: counted as SGLang counts them
+            e.metrics.end(start, job["prompt_tokens"] if job else 0, result[2] if result else 0,
+                          result[1] if result else None, stream=bool(body.get("stream")))
 
     def r_messages(self):
         """Anthropic /v1/messages on top of the chat path."""
@@ -480,14 +488,21 @@ class Handler(JSONHandler):
         e = self.engine
         body = self.body()
         chat = to_chat(body)
-        job = e.prepare_chat(chat)
-        out = e.shape(job)
-        msg = to_message(out, e.s.served_name, job["prompt_tokens"])
-        if body.get("stream"):
-            from .anthropic import stream_events
+        start = e.metrics.begin()
+        job, out = None, None
+        try:
+            job = e.prepare_chat(chat)
+            out = e.shape(job)
+            msg = to_message(out, e.s.served_name, job["prompt_tokens"])
+            if body.get("stream"):
+                from .anthropic import stream_events
 
-            return self.stream(list(stream_events(msg)))
-        self.send_json(200, msg)
+                return self.stream(list(stream_events(msg)))
+            self.send_json(200, msg)
+        finally:
+            e.metrics.end(start, job["prompt_tokens"] if job else 0,
+                          out["generated"] if out else 0, out["finish"] if out else None,
+                          stream=bool(body.get("stream")))
 
 
 ROUTES = {

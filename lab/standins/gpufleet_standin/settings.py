@@ -15,6 +15,7 @@ from . import engine_flags
 
 HERE = Path(__file__).parent
 DATA = json.loads((HERE / "standin.json").read_text())
+METRICS = json.loads((HERE / "metrics.json").read_text())  # what /metrics exposes
 HW_PATH = "/etc/gpufleet-lab/hw.json"
 
 

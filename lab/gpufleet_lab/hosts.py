@@ -410,9 +410,23 @@ def prepare_host(host: dict, all_hosts: list[dict], root: Path, pubkey: str, hw:
     if hw:
         files.update(HW_BOOT_FILES)
         files.update(hw)
-        wants = upper / "etc/systemd/system/sysinit.target.wants"
-        _mkdirs(upper, root, wants.relative_to(upper))
-        (wants / HW_UNIT).symlink_to(f"/etc/systemd/system/{HW_UNIT}")
+    # Enabled as `systemctl enable` would: each unit written to /etc/systemd/system (the
+    # lab's HW_UNIT, the site's dcgm-exporter from hwsim) linked into <target>.wants for
+    # every target of its [Install] WantedBy=. Vendor units (/lib, /usr/lib) stay disabled.
+    for path, (content, _) in files.items():
+        unit = Path(path)
+        if str(unit.parent) != "/etc/systemd/system" or unit.suffix not in (
+                ".service", ".socket", ".timer", ".path", ".mount", ".target"):
+            continue
+        install = content.decode().partition("\n[Install]\n")[2].partition("\n[")[0]
+        for line in install.splitlines():
+            key, _, targets = line.partition("=")
+            if key.strip() != "WantedBy":
+                continue
+            for target in targets.split():
+                wants = upper / f"etc/systemd/system/{target}.wants"
+                _mkdirs(upper, root, wants.relative_to(upper))
+                (wants / unit.name).symlink_to(path)
     for path, (content, mode) in files.items():
         _put(upper, root, path, content, mode)
     home = f"home/{LOGIN_USER}"

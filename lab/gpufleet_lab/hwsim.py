@@ -15,8 +15,18 @@ Rendered programs: ``/usr/bin/nvidia-smi`` (``-q -x``, ``-q``, ``-L``,
 ``/usr/local/sbin/lsmod`` and ``/usr/local/sbin/modprobe``, plus the systemd
 units ``nvidia-fabricmanager.service`` and ``nvidia-imex.service`` (installed,
 not enabled: enabling them is the roles' job) and their default configs.
+NVIDIA hosts also get the site's ``/usr/bin/dcgm-exporter`` (NVIDIA's DCGM exporter:
+GET /metrics on 0.0.0.0:9400, its default counters and labels per GPU, the last Xid
+from this boot's kernel log; ``-a ADDRESS`` moves it) and its unit
+``/etc/systemd/system/dcgm-exporter.service``, enabled at boot: a site runs it before
+gpufleet arrives. Units under ``/etc/systemd/system`` are enabled by the lab code
+(below); the others are not.
 
 What the lab code must do besides writing the files:
+
+* **Enabled units**: every unit rendered directly under ``/etc/systemd/system`` is
+  enabled as ``systemctl enable`` would: a symlink in ``<target>.wants`` for each
+  target of its ``[Install] WantedBy=``.
 
 * **Device nodes**: a file write cannot create them. ``/etc/gpufleet-lab/devices``
   lists one character device per line as ``path major minor`` (``#`` starts a
@@ -92,6 +102,22 @@ Type=simple
 ExecStart=/usr/bin/nv-fabricmanager -c /usr/share/nvidia/nvswitch/fabricmanager.cfg
 Restart=no
 LimitCORE=infinity
+
+[Install]
+WantedBy=multi-user.target
+"""
+
+# The site's dcgm-exporter, installed and enabled by the site (not by gpufleet), as NVIDIA's
+# exporter runs on a host outside Kubernetes
+DCGM_UNIT = """[Unit]
+Description=NVIDIA DCGM exporter (gpufleet lab simulation)
+After=network-online.target
+
+[Service]
+Type=simple
+ExecStart=/usr/bin/dcgm-exporter
+Restart=on-failure
+RestartSec=5
 
 [Install]
 WantedBy=multi-user.target
@@ -354,6 +380,8 @@ def render(profile: str, faults: list[str], hostname: str) -> dict[str, tuple[by
             files["/lib/systemd/system/nvidia-fabricmanager.service"] = (FM_UNIT.encode(), 0o644)
             if hw["fabric_manager"].get("nvlsm"):
                 tools["/opt/nvidia/nvlsm/sbin/nvlsm"] = "nvlsm"
+        tools["/usr/bin/dcgm-exporter"] = "dcgm-exporter"
+        files["/etc/systemd/system/dcgm-exporter.service"] = (DCGM_UNIT.encode(), 0o644)
         if hw["imex"]:
             tools["/usr/bin/nvidia-imex"] = "nvidia-imex"
             tools["/usr/bin/nvidia-imex-ctl"] = "nvidia-imex-ctl"

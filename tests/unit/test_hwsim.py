@@ -6,10 +6,13 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import time
 import tomllib
+import urllib.error
+import urllib.request
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -574,3 +577,205 @@ def test_containers_see_the_simulated_gpus_on_amd_hosts_only(profile):
             hwsim.build_hw(profile, [], "lab1")))
     else:
         assert conf is None
+
+
+# ---------------------------------------------------------------- dcgm-exporter
+
+# The default counters the site's dashboards and alerts read, with dcgm-exporter 4.x's HELP
+# texts and types (etc/default-counters.csv)
+DCGM_REQUIRED = {
+    "DCGM_FI_DEV_SM_CLOCK": ("gauge", "SM clock frequency (in MHz)."),
+    "DCGM_FI_DEV_MEM_CLOCK": ("gauge", "Memory clock frequency (in MHz)."),
+    "DCGM_FI_DEV_GPU_TEMP": ("gauge", "GPU temperature (in C)."),
+    "DCGM_FI_DEV_POWER_USAGE": ("gauge", "Power draw (in W)."),
+    "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION": (
+        "counter", "Total energy consumption since boot (in mJ)."),
+    "DCGM_FI_DEV_PCIE_REPLAY_COUNTER": ("counter", "Total number of PCIe retries."),
+    "DCGM_FI_DEV_GPU_UTIL": ("gauge", "GPU utilization (in %)."),
+    "DCGM_FI_DEV_MEM_COPY_UTIL": ("gauge", "Memory utilization (in %)."),
+    "DCGM_FI_DEV_XID_ERRORS": ("gauge", "Value of the last XID error encountered."),
+    "DCGM_FI_DEV_FB_FREE": ("gauge", "Framebuffer memory free (in MiB)."),
+    "DCGM_FI_DEV_FB_USED": ("gauge", "Framebuffer memory used (in MiB)."),
+}
+DCGM_LABELS = ["gpu", "UUID", "pci_bus_id", "device", "modelName", "Hostname",
+               "DCGM_FI_DRIVER_VERSION"]
+PROM_SAMPLE = re.compile(r"([a-zA-Z_:][a-zA-Z0-9_:]*)\{(.*)\} (\S+)")
+PROM_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\\n]|\\.)*)"(?:,|$)')
+
+
+def parse_prometheus(text: str) -> dict:
+    """A strict reader of the Prometheus text format (prometheus_client is not in the
+    venv): each family's HELP, then its TYPE, then its samples; labels in their order;
+    float values; no family or series twice; nothing else."""
+    assert text.endswith("\n")
+    families: dict[str, dict] = {}
+    current: dict | None = None
+    for line in text.splitlines():
+        if line.startswith("# HELP "):
+            name, _, help_text = line[len("# HELP "):].partition(" ")
+            assert name not in families, f"{name}: HELP twice"
+            current = families[name] = {"help": help_text, "type": None, "samples": []}
+        elif line.startswith("# TYPE "):
+            name, _, kind = line[len("# TYPE "):].partition(" ")
+            assert current is not None and current is families.get(name), line
+            assert current["type"] is None and not current["samples"], line
+            assert kind in ("gauge", "counter"), line
+            current["type"] = kind
+        else:
+            m = PROM_SAMPLE.fullmatch(line)
+            assert m, f"not a sample: {line!r}"
+            name, body, value = m.groups()
+            assert current is not None and current is families.get(name), line
+            assert current["type"], f"{name}: a sample before its TYPE"
+            labels, pos = [], 0
+            while pos < len(body):
+                lm = PROM_LABEL.match(body, pos)
+                assert lm, f"bad labels at {body[pos:]!r}"
+                labels.append((lm.group(1), lm.group(2)))
+                pos = lm.end()
+            assert labels not in [s[0] for s in current["samples"]], f"{name}: series twice"
+            current["samples"].append((labels, float(value), value))
+    return families
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def fake_journal(h: Host, tmp_path: Path) -> Path:
+    """A journalctl first on the exporter's PATH: this boot's kernel messages (-k, JSON,
+    MESSAGE only) are the lines of the returned file, which a test appends to."""
+    bindir, messages = tmp_path / "fakebin", tmp_path / "kernel.jsonl"
+    bindir.mkdir(exist_ok=True)
+    messages.write_text("")
+    tool = bindir / "journalctl"
+    tool.write_text('#!/bin/sh\n[ "$*" = "-k -o json --output-fields=MESSAGE -q --no-pager" ] '
+                    f'|| {{ echo "unexpected: $*" >&2; exit 3; }}\ncat {messages}\n')
+    tool.chmod(0o755)
+    h.env["PATH"] = f"{bindir}:{h.env['PATH']}"
+    h.env.pop("NODE_NAME", None)
+    return messages
+
+
+def kernel_entry(message: str) -> str:
+    return json.dumps({"MESSAGE": message}) + "\n"
+
+
+def scrape(port: int, path: str = "/metrics") -> tuple[str, str]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as r:
+        return r.headers["Content-Type"], r.read().decode()
+
+
+@pytest.mark.parametrize("profile,faults", [("h200x8", ()), ("gb300x4", ()), ("h200x2", ()),
+                                            ("b200x8", ("gpu-missing",))])
+def test_dcgm_exporter_serves_the_default_counters_per_gpu(host, tmp_path, profile, faults):
+    h = host(profile, *faults)
+    messages = fake_journal(h, tmp_path)
+    port = free_port()
+    proc = h.start("dcgm-exporter", "-a", f"127.0.0.1:{port}", pidfile="dcgm-exporter.pid")
+    assert proc.poll() is None, proc.stderr.read()
+    query = h.out("nvidia-smi", "--query-gpu=index,uuid,pci.bus_id,name,memory.total,"
+                  "memory.free,driver_version", "--format=csv,noheader,nounits")
+    gpus = [dict(zip(("index", "uuid", "bus_id", "name", "total", "free", "driver"),
+                     row.split(", "), strict=True)) for row in query.splitlines()]
+
+    ctype, text = scrape(port)
+    assert ctype.startswith("text/plain")
+    families = parse_prometheus(text)
+    for name, (kind, help_text) in DCGM_REQUIRED.items():
+        assert (families[name]["type"], families[name]["help"]) == (kind, help_text), name
+    for name, family in families.items():
+        assert name.startswith(("DCGM_FI_DEV_", "DCGM_FI_PROF_")), name
+        assert [dict(s[0])["gpu"] for s in family["samples"]] == [g["index"] for g in gpus]
+        for (labels, _, _), g in zip(family["samples"], gpus, strict=True):
+            assert [k for k, _ in labels] == DCGM_LABELS, name
+            assert dict(labels) == {
+                "gpu": g["index"], "UUID": g["uuid"], "pci_bus_id": g["bus_id"],
+                "device": f"nvidia{g['index']}", "modelName": g["name"],
+                "Hostname": socket.gethostname(), "DCGM_FI_DRIVER_VERSION": g["driver"]}
+
+    def values(name, fams):
+        return [s[1] for s in fams[name]["samples"]]
+
+    used, free = values("DCGM_FI_DEV_FB_USED", families), values("DCGM_FI_DEV_FB_FREE", families)
+    assert [u + f for u, f in zip(used, free, strict=True)] == [float(g["total"]) for g in gpus]
+    assert free == [float(g["free"]) for g in gpus]  # what nvidia-smi calls free
+    assert values("DCGM_FI_DEV_XID_ERRORS", families) == [0.0] * len(gpus)
+    assert values("DCGM_FI_DEV_GPU_UTIL", families) == [0.0] * len(gpus)
+    assert all(30 < t < 90 for t in values("DCGM_FI_DEV_GPU_TEMP", families))
+    power = [s[2] for s in families["DCGM_FI_DEV_POWER_USAGE"]["samples"]]
+    assert all(re.fullmatch(r"\d+\.\d{6}", p) for p in power)  # a DCGM double: %f
+
+    # Xids land in the kernel log while it runs: the last one per GPU, by PCI address
+    second = gpus[1]["bus_id"].split(":")
+    xid_pci = f"PCI:{second[0][-4:]}:{second[1]}:{second[2].split('.')[0]}"
+    with messages.open("a") as f:
+        f.write(kernel_entry(f"NVRM: Xid ({xid_pci}): 48, pid=1234, name=python3, An "
+                             "uncorrectable double bit error (DBE) has been detected"))
+        f.write(kernel_entry("nvidia-nvswitch0: SXid (PCI:0000:05:00.0): 12028, link 7"))
+        f.write(kernel_entry(f"NVRM: Xid ({xid_pci.lower()}): 79, pid='<unknown>', "
+                             "name=<unknown>, GPU has fallen off the bus."))
+        f.write(kernel_entry("NVRM: Xid (PCI:0000:ee:00): 13, pid=1, not a GPU of this host"))
+        # a message that is not UTF-8 comes as an array of bytes
+        f.write(json.dumps({"MESSAGE": list(b"NVRM: \xff garbage")}) + "\n")
+    later = parse_prometheus(scrape(port)[1])
+    assert values("DCGM_FI_DEV_XID_ERRORS", later) == [0.0, 79.0] + [0.0] * (len(gpus) - 2)
+    energy = values("DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION", families)
+    assert all(b >= a > 0 for a, b in
+               zip(energy, values("DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION", later),
+                   strict=True))
+
+    proc.terminate()
+    assert proc.wait(timeout=10) == 0
+    assert not (h.root / "run/gpufleet-lab/dcgm-exporter.pid").exists()
+
+
+def test_dcgm_exporter_listens_on_every_address_and_answers_like_the_real_one(host, tmp_path):
+    """`:PORT` (the default is `:9400`) listens on 0.0.0.0; DCGM_EXPORTER_LISTEN sets it as
+    the real flag's environment variable does."""
+    h = host("h200x8")
+    fake_journal(h, tmp_path)
+    port = free_port("0.0.0.0")
+    h.env["DCGM_EXPORTER_LISTEN"] = f":{port}"
+    proc = h.start("dcgm-exporter", pidfile="dcgm-exporter.pid")
+    assert proc.poll() is None, proc.stderr.read()
+    listening = [line.split() for line in Path("/proc/net/tcp").read_text().splitlines()[1:]]
+    assert [f"00000000:{port:04X}", "0A"] in [[c[1], c[3]] for c in listening]
+    assert "GPU Exporter" in scrape(port, "/")[1]
+    with pytest.raises(urllib.error.HTTPError) as err:
+        scrape(port, "/nothing")
+    assert err.value.code == 404
+    # a second one on the same port fails, as the real one does
+    again = h.run("dcgm-exporter", "-a", f":{port}")
+    assert again.returncode == 1 and "failed to listen" in again.stderr
+
+
+def test_dcgm_exporter_needs_the_driver_and_rejects_unknown_flags(host):
+    h = host("h200x8")
+    bad = h.run("dcgm-exporter", "--nonsense")
+    assert bad.returncode == 1 and "flag provided but not defined" in bad.stderr
+    assert h.run("modprobe", "-r", "nvidia").returncode == 0
+    proc = h.run("dcgm-exporter", "-a", f"127.0.0.1:{free_port()}")
+    assert proc.returncode == 1 and "driver is not loaded" in proc.stderr
+
+
+@pytest.mark.parametrize("profile", sorted(EXPECTED))
+def test_dcgm_exporter_is_on_nvidia_hosts_only_enabled_at_boot(profile):
+    """The site's dcgm-exporter: its program and a unit under /etc/systemd/system (which the
+    lab enables by its WantedBy=, hosts.prepare_host), on NVIDIA hosts; none on AMD."""
+    files = hwsim.render(profile, [], "lab1")
+    unit = files.get("/etc/systemd/system/dcgm-exporter.service")
+    if profile.startswith("mi"):
+        assert unit is None
+        assert not [p for p in files if "dcgm" in p]
+        return
+    content, mode = files["/usr/bin/dcgm-exporter"]
+    assert content.startswith(b"#!/usr/bin/python3\n") and mode == 0o755
+    assert b"hwlab.main('dcgm-exporter'" in content
+    text = unit[0].decode()
+    assert "\nExecStart=/usr/bin/dcgm-exporter\n" in text  # the default address
+    assert b'DCGM_LISTEN = ":9400"' in files["/usr/lib/gpufleet-lab/hwlab.py"][0]
+    for line in ("Type=simple", "Restart=on-failure", "[Install]\nWantedBy=multi-user.target"):
+        assert f"\n{line}\n" in text

@@ -1137,6 +1137,244 @@ def nvidia_ctk(hw, args):
     return 2
 
 
+# ---------------------------------------------------------------- dcgm-exporter
+
+# dcgm-exporter 4.x's default counters (its etc/default-counters.csv, the uncommented rows):
+# field, Prometheus type, help text, in the file's order. DCGM_FI_DRIVER_VERSION (a
+# `label` row) becomes a label of every series. Left out: DCGM_FI_DEV_FB_RESERVED, so
+# that FB_USED + FB_FREE is the total as with the driver's reservation counted as used
+# (dcgm_values).
+DCGM_COUNTERS = (
+    ("DCGM_FI_DEV_SM_CLOCK", "gauge", "SM clock frequency (in MHz)."),
+    ("DCGM_FI_DEV_MEM_CLOCK", "gauge", "Memory clock frequency (in MHz)."),
+    ("DCGM_FI_DEV_MEMORY_TEMP", "gauge", "Memory temperature (in C)."),
+    ("DCGM_FI_DEV_GPU_TEMP", "gauge", "GPU temperature (in C)."),
+    ("DCGM_FI_DEV_POWER_USAGE", "gauge", "Power draw (in W)."),
+    ("DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION", "counter",
+     "Total energy consumption since boot (in mJ)."),
+    ("DCGM_FI_DEV_PCIE_REPLAY_COUNTER", "counter", "Total number of PCIe retries."),
+    ("DCGM_FI_DEV_GPU_UTIL", "gauge", "GPU utilization (in %)."),
+    ("DCGM_FI_DEV_MEM_COPY_UTIL", "gauge", "Memory utilization (in %)."),
+    ("DCGM_FI_DEV_ENC_UTIL", "gauge", "Encoder utilization (in %)."),
+    ("DCGM_FI_DEV_DEC_UTIL", "gauge", "Decoder utilization (in %)."),
+    ("DCGM_FI_DEV_XID_ERRORS", "gauge", "Value of the last XID error encountered."),
+    ("DCGM_FI_DEV_FB_FREE", "gauge", "Framebuffer memory free (in MiB)."),
+    ("DCGM_FI_DEV_FB_USED", "gauge", "Framebuffer memory used (in MiB)."),
+    ("DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL", "gauge",
+     "Total number of NVLink bandwidth counters for all lanes."),
+    ("DCGM_FI_DEV_VGPU_LICENSE_STATUS", "gauge", "vGPU License status"),
+    ("DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS", "counter",
+     "Number of remapped rows for uncorrectable errors"),
+    ("DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS", "counter",
+     "Number of remapped rows for correctable errors"),
+    ("DCGM_FI_DEV_ROW_REMAP_FAILURE", "gauge", "Whether remapping of rows has failed"),
+    ("DCGM_FI_PROF_GR_ENGINE_ACTIVE", "gauge", "Ratio of time the graphics engine is active."),
+    ("DCGM_FI_PROF_PIPE_TENSOR_ACTIVE", "gauge",
+     "Ratio of cycles the tensor (HMMA) pipe is active."),
+    ("DCGM_FI_PROF_DRAM_ACTIVE", "gauge",
+     "Ratio of cycles the device memory interface is active sending or receiving data."),
+    ("DCGM_FI_PROF_PCIE_TX_BYTES", "gauge",
+     "The rate of data transmitted over the PCIe bus - including both protocol headers and "
+     "data payloads - in bytes per second."),
+    ("DCGM_FI_PROF_PCIE_RX_BYTES", "gauge",
+     "The rate of data received over the PCIe bus - including both protocol headers and "
+     "data payloads - in bytes per second."),
+)
+# DCGM's double-valued fields, which the exporter prints with %f (the others are int64)
+DCGM_DOUBLES = {"DCGM_FI_DEV_POWER_USAGE", "DCGM_FI_PROF_GR_ENGINE_ACTIVE",
+                "DCGM_FI_PROF_PIPE_TENSOR_ACTIVE", "DCGM_FI_PROF_DRAM_ACTIVE"}
+DCGM_LISTEN = ":9400"  # the real default (-a / DCGM_EXPORTER_LISTEN)
+XID = re.compile(r"NVRM: Xid \(([^)]*)\): (\d+)")
+JOURNAL_KERNEL = ["journalctl", "-k", "-o", "json", "--output-fields=MESSAGE", "-q",
+                  "--no-pager"]
+
+
+def pci_key(address):
+    """A GPU's PCI address as the kernel names it in an Xid: 00000000:18:00.0 and
+    PCI:0000:18:00 both give 0000:18:00."""
+    parts = address.lower().replace("pci:", "").split(".")[0].split(":")
+    if len(parts) != 3:
+        return address.lower()
+    return "{}:{}:{}".format(parts[0][-4:].rjust(4, "0"), parts[1].rjust(2, "0"),
+                             parts[2].rjust(2, "0"))
+
+
+def last_xids():
+    """{pci key: code of the last Xid} from this boot's kernel log (the lab puts Xids
+    there: gpufleet_lab.hosts.kernel_message); {} when the journal cannot be read."""
+    import subprocess
+
+    try:
+        out = subprocess.run(JOURNAL_KERNEL, capture_output=True, text=True, timeout=15).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    codes = {}
+    for line in out.splitlines():
+        try:
+            message = json.loads(line).get("MESSAGE") or ""
+        except (ValueError, AttributeError):
+            continue
+        if isinstance(message, list):  # journald's form of a message that is not UTF-8
+            message = bytes(message).decode("utf-8", "replace")
+        m = XID.search(message)
+        if m:
+            codes[pci_key(m.group(1))] = int(m.group(2))
+    return codes
+
+
+def dcgm_values(hw, g, xids):
+    """One GPU's fields, idle: the readings of the real capture nvidia-smi answers with
+    (or what a fault put into them, gpu-faults.json), the last Xid from the kernel log."""
+    spec = hw["gpu"]
+    fault = gpu_faults().get("xml", {}).get(str(g["index"]), {})
+
+    def num(tag, default):
+        m = re.match(r"\s*(-?\d+(?:\.\d+)?)", str(fault.get(tag, default)))
+        return float(m.group(1)) if m else 0.0
+
+    watts = num("average_power_draw", 78.25)
+    total, reserved = spec["memory_mib"], spec["reserved_mib"]
+    values = {
+        "DCGM_FI_DEV_SM_CLOCK": num("sm_clock", 345),
+        "DCGM_FI_DEV_MEM_CLOCK": num("mem_clock", 3201),
+        "DCGM_FI_DEV_MEMORY_TEMP": num("memory_temp", 33),
+        "DCGM_FI_DEV_GPU_TEMP": num("gpu_temp", 32),
+        "DCGM_FI_DEV_POWER_USAGE": watts,
+        # the board's energy counter runs since the driver came up: here, since boot
+        "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION": watts * time.clock_gettime(
+            time.CLOCK_BOOTTIME) * 1000,
+        "DCGM_FI_DEV_PCIE_REPLAY_COUNTER": 0,
+        "DCGM_FI_DEV_GPU_UTIL": 0,
+        "DCGM_FI_DEV_MEM_COPY_UTIL": 0,
+        "DCGM_FI_DEV_ENC_UTIL": 0,
+        "DCGM_FI_DEV_DEC_UTIL": 0,
+        "DCGM_FI_DEV_XID_ERRORS": xids.get(pci_key(g["bus_id"]), 0),
+        # no process on the GPU: the driver's reservation is all that is used, the rest free
+        # (nvidia-smi's Free), so used + free is the board's memory
+        "DCGM_FI_DEV_FB_FREE": total - reserved,
+        "DCGM_FI_DEV_FB_USED": reserved,
+        "DCGM_FI_DEV_VGPU_LICENSE_STATUS": 0,
+        "DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS": num("remapped_row_unc", 0),
+        "DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS": num("remapped_row_corr", 0),
+        "DCGM_FI_DEV_ROW_REMAP_FAILURE": int(fault.get("remapped_row_failure") == "Yes"),
+        "DCGM_FI_PROF_GR_ENGINE_ACTIVE": 0.0,
+        "DCGM_FI_PROF_PIPE_TENSOR_ACTIVE": 0.0,
+        "DCGM_FI_PROF_DRAM_ACTIVE": 0.0,
+        "DCGM_FI_PROF_PCIE_TX_BYTES": 0,
+        "DCGM_FI_PROF_PCIE_RX_BYTES": 0,
+    }
+    if spec.get("nvlink_links"):  # a field the GPU does not have is left out, as DCGM does
+        values["DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL"] = 0
+    return values
+
+
+def prom_label(value):
+    return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def dcgm_metrics(hw):
+    """The /metrics page as dcgm-exporter 4.x renders it: per field its HELP and TYPE, then
+    one series per GPU labelled gpu, UUID, pci_bus_id, device, modelName, Hostname and
+    the driver version."""
+    hostname = os.environ.get("NODE_NAME") or socket.gethostname()
+    driver = (hw.get("driver") or {}).get("version")
+    xids = last_xids()
+    rows = []
+    for g in hw["gpus"]:
+        labels = [("gpu", g["index"]), ("UUID", g["uuid"]), ("pci_bus_id", g["bus_id"]),
+                  ("device", f"nvidia{g['index']}"), ("modelName", hw["gpu"]["name"]),
+                  ("Hostname", hostname)]
+        if driver:
+            labels.append(("DCGM_FI_DRIVER_VERSION", driver))
+        text = ",".join(f'{k}="{prom_label(v)}"' for k, v in labels)
+        rows.append((text, dcgm_values(hw, g, xids)))
+    out = []
+    for name, kind, help_text in DCGM_COUNTERS:
+        series = [(text, values[name]) for text, values in rows if name in values]
+        if not series:
+            continue
+        out += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
+        for text, value in series:
+            shown = f"{value:f}" if name in DCGM_DOUBLES else f"{int(value)}"
+            out.append(f"{name}{{{text}}} {shown}")
+    return "\n".join(out) + "\n"
+
+
+DCGM_INDEX = b"""<html>
+<head><title>GPU Exporter</title></head>
+<body>
+<h1>GPU Exporter</h1>
+<p><a href="./metrics">Metrics</a></p>
+</body>
+</html>"""
+
+
+def dcgm_exporter(hw, args):
+    """NVIDIA's dcgm-exporter below the interface Prometheus scrapes: GET /metrics on
+    -a/--address (default :9400, as the real one; also $DCGM_EXPORTER_LISTEN). The
+    counters are the default set; -f/--collectors is accepted and not read."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    address = os.environ.get("DCGM_EXPORTER_LISTEN") or DCGM_LISTEN
+    rest = list(args)
+    while rest:
+        arg = rest.pop(0)
+        key, eq, value = arg.partition("=")
+        if key in ("-a", "--address", "-f", "--collectors"):
+            if not eq:
+                if not rest:
+                    sys.stderr.write(f"Incorrect Usage: flag needs an argument: {arg}\n")
+                    return 1
+                value = rest.pop(0)
+            if key in ("-a", "--address"):
+                address = value
+        else:
+            sys.stderr.write(f"Incorrect Usage: flag provided but not defined: {arg}\n")
+            return 1
+    if "nvidia" not in loaded_modules():
+        sys.stderr.write("dcgm-exporter: cannot initialize DCGM: the NVIDIA driver is not "
+                         "loaded (gpufleet lab: no nvidia in /etc/gpufleet-lab/modules)\n")
+        return 1
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]") or "0.0.0.0"
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            route = self.path.split("?", 1)[0]
+            if route == "/metrics":
+                self.reply(200, dcgm_metrics(load_hw()).encode())
+            elif route == "/health":
+                self.reply(200, b"KO")  # sic: what dcgm-exporter 4.x answers
+            elif route == "/":
+                self.reply(200, DCGM_INDEX, "text/html; charset=utf-8")
+            else:
+                self.reply(404, b"404 page not found\n")
+
+        def reply(self, code, body, ctype="text/plain; charset=utf-8"):
+            self.send_response(code)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(body)))
+            self.send_header("X-Content-Type-Options", "nosniff")
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *_):  # the real one logs no scrapes
+            pass
+
+    class Server(ThreadingHTTPServer):
+        address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        daemon_threads = True
+
+    try:
+        server = Server((host, int(port)), Handler)
+    except (OSError, ValueError) as exc:
+        sys.stderr.write(f"dcgm-exporter: failed to listen on {address}: {exc}\n")
+        return 1
+    sys.stderr.write(f"dcgm-exporter: {len(hw['gpus'])} GPU(s); serving /metrics on "
+                     f"{address}\n")
+    return run_daemon("dcgm-exporter", server.serve_forever)
+
+
 TOOLS = {
     "nvidia-smi": nvidia_smi,
     "nvidia-ctk": nvidia_ctk,
@@ -1144,6 +1382,7 @@ TOOLS = {
     "nvlsm": nvlsm,
     "nvidia-imex": nvidia_imex,
     "nvidia-imex-ctl": nvidia_imex_ctl,
+    "dcgm-exporter": dcgm_exporter,
     "amd-smi": amd_smi,
     "rocm-smi": rocm_smi,
     "ibv_devinfo": ibv_devinfo,

@@ -10,9 +10,10 @@ Checks, per local unit: the unit is active, its HTTP health endpoint answers 200
 real one-token generation answers within its timeout (vLLM /health can answer 200 while
 the engine core is wedged). Per host: GPU health from the driver (ECC, pending page
 retirement or row remapping, fatal Xid events in the kernel log), free space on the
-cache filesystem. Writes Prometheus textfile metrics atomically (temp file in the same
-directory, then rename), logs one line per check (stdout, or stderr with --json) and
-exits 0 healthy, 1 unhealthy, 2 config error. Every configured check gives a result on
+cache filesystem and, where configured, the API gateway's responses by status code (its
+access log in the journal). Writes Prometheus textfile metrics atomically (temp file in
+the same directory, then rename), logs one line per check (stdout, or stderr with --json)
+and exits 0 healthy, 1 unhealthy, 2 config error. Every configured check gives a result on
 every run (ok, fail, na or error); a check that raises is an error, and unhealthy.
 After N consecutive failures of a unit past its start-up window it runs
 `systemctl restart --no-block UNIT`, at most once per cooldown. --no-restart observes
@@ -39,6 +40,7 @@ import socket
 import ssl
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -73,6 +75,13 @@ DEFAULT_IB_DELTA = {"link_downed": 0, "link_error_recovery": 0, "default": 100}
 # ECC, GSP timeout/error, unrecovered ECC, reset required.
 DEFAULT_XID_FATAL = [48, 61, 62, 64, 74, 79, 95, 119, 120, 140, 154]
 XID_RE = re.compile(r"NVRM: Xid \(([^)]*)\): (\d+)")
+# One line of the API gateway's access log (nginx log_format gpufleet in
+# roles/serve/templates/gateway-nginx.conf.j2): `$remote_addr "$request" $status
+# $body_bytes_sent $request_time`. The request line may hold quotes and spaces, so the
+# status is read from the end: the three fields after the last quote.
+GATEWAY_LINE_RE = re.compile(r'\S+ ".*" (\d{3}) (\d+) (\d+(?:\.\d+)?)')
+# how long one run reads the gateway's log; what is left is read by the next run
+GATEWAY_READ_S = 20
 # error: the check raised (a bug or an environment the checker did not expect); unhealthy
 # like fail, but never counted towards a restart (the unit may be fine)
 OK, FAIL, NA, ERROR = "ok", "fail", "na", "error"
@@ -207,6 +216,15 @@ def validate(raw):
                                 "a number > 0 or null"),
         "error_delta_max": dict(DEFAULT_IB_DELTA, **_field(
             ib, "error_delta_max", "ib", (dict,), {}, _counter_limits, COUNTER_LIMITS)),
+    }
+    # the API gateway on this host: its access log (journal entries with SYSLOG_IDENTIFIER
+    # log_tag) counted by status code; absent or null: not read
+    gateway = _field(raw, "gateway", "", (dict,), None, hint='an object like {"log_tag": '
+                     '"gpufleet_gateway"} or null')
+    cfg["gateway"] = None if gateway is None else {
+        "log_tag": _field(gateway, "log_tag", "gateway", (str,), ConfigError,
+                          lambda v: re.fullmatch(r"[A-Za-z0-9_.@][A-Za-z0-9_.@-]*", v)
+                          is not None, "a syslog identifier like gpufleet_gateway"),
     }
     # a sick host's engines are stopped until its host checks pass again (drain): after
     # after_runs runs in a row that find a host fault, back after return_after_runs runs in
@@ -756,7 +774,13 @@ def check_xid(cfg, state, gpus=()):
             state.pop(key, None)
         state["boot_id"] = boot
     fatal = state.setdefault("xid_fatal", {})
-    counts = state.setdefault("xid_counts", {})
+    # every Xid this boot, by the PCI address its message names: {pci: {code: n}}. A
+    # state file of a checker before per-GPU counts holds {code: n} and does not say
+    # which GPU: those counts start over (the journal cursor is kept, so no event is read
+    # again; the series without a pci label ends)
+    counts = state.get("xid_counts")
+    if not isinstance(counts, dict) or not all(isinstance(v, dict) for v in counts.values()):
+        counts = state["xid_counts"] = {}
     if shutil.which("journalctl") is None:
         return result("gpu_xid", "", NA, "journalctl not found", started), counts
     # -k: this boot's kernel messages; JSON carries each entry's cursor (--show-cursor
@@ -786,10 +810,11 @@ def check_xid(cfg, state, gpus=()):
         match = XID_RE.search(line)
         if not match:
             continue
-        code = int(match.group(2))
-        counts[str(code)] = counts.get(str(code), 0) + 1
+        code, pci = int(match.group(2)), pci_key(match.group(1))
+        per_gpu = counts.setdefault(pci, {})
+        per_gpu[str(code)] = per_gpu.get(str(code), 0) + 1
         if code in cfg["xid_fatal"]:
-            seen = fatal.setdefault(pci_key(match.group(1)), {}).setdefault(
+            seen = fatal.setdefault(pci, {}).setdefault(
                 str(code), {"first": time.time(), "count": 0})
             seen["count"] += 1
             seen["message"] = line.strip()[-200:]
@@ -813,8 +838,8 @@ def check_xid(cfg, state, gpus=()):
     if problems:  # unreadable output alone is the tool's trouble, a fatal Xid the GPU's
         return result("gpu_xid", "", FAIL if fatal else ERROR, "; ".join(problems),
                       started), counts
-    seen = ", ".join(f"Xid {c} x{n}" for c, n in sorted(counts.items(), key=lambda i: int(
-        i[0]))) or "none"
+    seen = ", ".join(f"Xid {c} x{n} on {pci}" for pci, codes in sorted(counts.items())
+                     for c, n in sorted(codes.items(), key=lambda i: int(i[0]))) or "none"
     return result("gpu_xid", "", OK, f"no fatal Xid this boot ({seen})", started), counts
 
 
@@ -1095,6 +1120,112 @@ def check_cache(cfg):
     return result("cache", "", OK if free >= need * 2**30 else FAIL, detail, started), free
 
 
+def gateway_state(state):
+    """state["gateway"] made whole, in place: {"journal_cursor": the last entry read,
+    "responses": {status code: n}, "unparsed": n}; counts not of that shape (a damaged
+    file) start over."""
+    responses = state.get("responses")
+    if not isinstance(responses, dict) or not all(
+            isinstance(n, int) and not isinstance(n, bool) and n >= 0
+            for n in responses.values()):
+        state["responses"] = {}
+    unparsed = state.get("unparsed")
+    if not isinstance(unparsed, int) or isinstance(unparsed, bool) or unparsed < 0:
+        state["unparsed"] = 0
+    if not isinstance(state.get("journal_cursor"), str):
+        state.pop("journal_cursor", None)
+    return state
+
+
+def check_gateway(cfg, state):
+    """The API gateway's responses by status code, from its access log in the journal
+    (entries with SYSLOG_IDENTIFIER log_tag), each entry read exactly once: a journal
+    cursor kept in the state file, as check_xid's, moved with the counts entry by entry.
+    The counts add up in the state file across runs, restarts and reboots (counters).
+    Returns (result, state["gateway"]). Never a fail: journalctl failing or printing what
+    is not journal JSON is an error (the checker's own trouble), a line not in the log
+    format is counted as unparsed. A run reads for at most GATEWAY_READ_S seconds; the
+    next one goes on from where it stopped (the first run after install reads this
+    boot's entries, maybe many)."""
+    started = time.monotonic()
+    gateway = gateway_state(state)
+    responses, tag = gateway["responses"], cfg["log_tag"]
+    if shutil.which("journalctl") is None:
+        return result("gateway_log", "", ERROR, "journalctl not found: the gateway's access "
+                      f"log ({tag}) cannot be read", started), gateway
+    argv = ["journalctl", "-t", tag, "-o", "json", "--output-fields=MESSAGE", "--no-pager",
+            "-q", "--after-cursor=" + gateway["journal_cursor"]
+            if gateway.get("journal_cursor") else "-b"]
+    new, unparsed, unreadable, first = {}, 0, 0, ""
+    stopped = []
+
+    def stop():  # journalctl still writing after GATEWAY_READ_S: the rest is the next run's
+        if proc.poll() is None:
+            stopped.append(True)
+            proc.kill()
+
+    with tempfile.TemporaryFile() as err:
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=err, encoding="utf-8", errors="replace")
+        timer = threading.Timer(GATEWAY_READ_S, stop)
+        timer.daemon = True
+        timer.start()
+        try:
+            for text in proc.stdout:
+                if not text.endswith("\n") and stopped:  # cut off by the kill
+                    break
+                try:
+                    entry = json.loads(text)
+                    if not isinstance(entry, dict):
+                        raise ValueError("not an object")
+                except ValueError:
+                    unreadable += 1
+                    first = first or text.strip()
+                    continue
+                gateway["journal_cursor"] = entry.get("__CURSOR") or gateway.get(
+                    "journal_cursor")
+                line = entry.get("MESSAGE") or ""
+                if isinstance(line, list):  # journald's form of a message that is not UTF-8
+                    line = bytes(x & 0xFF for x in line if isinstance(x, int)).decode(
+                        "utf-8", "replace")
+                match = GATEWAY_LINE_RE.fullmatch(line.strip()) if isinstance(line, str) \
+                    else None
+                if match:
+                    code = match.group(1)
+                    responses[code] = responses.get(code, 0) + 1
+                    new[code] = new.get(code, 0) + 1
+                else:
+                    unparsed += 1
+                    gateway["unparsed"] += 1
+        finally:
+            timer.cancel()
+            proc.stdout.close()
+            rc = proc.wait()
+        err.seek(0)
+        why = first_line(err.read().decode("utf-8", "replace")) or f"exited {rc}"
+    read = sum(new.values()) + unparsed
+    detail = "{} responses since the last run{}".format(sum(new.values()), ": " + ", ".join(
+        f"{code} x{n}" for code, n in sorted(new.items())) if new else "")
+    if unparsed:
+        detail += f"; {unparsed} line(s) not in the gateway's log format (counted as unparsed)"
+    problems = []
+    if stopped and not read:
+        problems.append(f"journalctl -t {tag} gave nothing within {GATEWAY_READ_S}s")
+    elif stopped:
+        detail += f" (read for {GATEWAY_READ_S}s: the next run reads on)"
+    elif rc != 0:
+        problems.append(f"journalctl -t {tag}: {why}")
+    if unreadable:
+        problems.append(f"journalctl -t {tag} -o json gave {unreadable} line(s) that are not "
+                        f"journal JSON (first: {first[:80]!r})")
+    if problems:  # the checker's own trouble: its own alert (error), never a drain
+        return result("gateway_log", "", ERROR, "{}: the gateway's access log could not be "
+                      "read whole, the responses in it are not all counted. Action: check "
+                      "systemd-journald ({})".format("; ".join(problems), detail),
+                      started), gateway
+    return result("gateway_log", "", OK, detail, started), gateway
+
+
 # ------------------------------------------------------------------------------ state
 
 
@@ -1104,15 +1235,15 @@ def load_state(path, log):
             state = json.load(handle)
         if not isinstance(state.get("units"), dict):
             raise ValueError("no units")
-        for key in ("gpu", "ib"):
+        for key in ("gpu", "ib", "gateway"):  # gateway: absent before the gateway job
             if not isinstance(state.setdefault(key, {}), dict):
                 raise ValueError(f"{key} is not an object")
         return state
     except FileNotFoundError:
-        return {"version": 1, "units": {}, "gpu": {}, "ib": {}}
+        return {"version": 1, "units": {}, "gpu": {}, "ib": {}, "gateway": {}}
     except (OSError, ValueError, AttributeError) as exc:
         log(f"state file {path} unreadable ({exc}): starting from empty state")
-        return {"version": 1, "units": {}, "gpu": {}, "ib": {}}
+        return {"version": 1, "units": {}, "gpu": {}, "ib": {}, "gateway": {}}
 
 
 def atomic_write(path, text, mode=0o644):
@@ -1401,9 +1532,10 @@ def gpu_families(gpu, xids, fatal):
             lambda g: [({"state": st}, n) for st, n in sorted(g.get("xgmi_links", {}).items())])
     if xids is not None:
         families.append(("gpufleet_gpu_xid_events_total", "counter",
-                         "Xid events read from the kernel log this boot.",
-                         [({"xid": code}, n) for code, n in sorted(
-                             xids.items(), key=lambda item: int(item[0]))]))
+                         "Xid events read from the kernel log this boot, per GPU (the PCI "
+                         "address the Xid message names).",
+                         [({"pci": pci, "xid": code}, n) for pci, codes in sorted(xids.items())
+                          for code, n in sorted(codes.items(), key=lambda item: int(item[0]))]))
     families.append(("gpufleet_gpu_xid_fatal", "gauge",
                      "1 while a fatal Xid on the GPU at this PCI address is unresolved (until "
                      "a reboot, or --clear-xid after a GPU reset).",
@@ -1467,6 +1599,17 @@ def metrics(cfg, results, statuses, state, gpu, xids, free, ib, ran_at, took, he
             ("gpufleet_ib_port_errors", "gauge", "The port's error counters (sysfs).",
              [(dict(labels, counter=c), v) for labels, p in port
               for c, v in sorted(p["counters"].items())]),
+        ]
+    if cfg["gateway"]:  # the counts in the state file: there whatever this run read
+        gateway = gateway_state(dict(state.get("gateway") or {}))
+        families += [
+            ("gpufleet_gateway_responses_total", "counter",
+             "Responses of the API gateway by HTTP status code, from its access log in the "
+             "journal (each entry counted once; kept in the state file).",
+             [({"code": code}, n) for code, n in sorted(gateway["responses"].items())]),
+            ("gpufleet_gateway_log_unparsed_total", "counter",
+             "Lines of the API gateway's access log not in its log format (not counted by "
+             "status code).", [({}, gateway["unparsed"])]),
         ]
     families.append(("gpufleet_health_last_run_timestamp_seconds", "gauge",
                      "Unix time the health checker last finished a run.", [({}, ran_at)]))
@@ -1560,6 +1703,9 @@ def host_jobs(cfg, state, out):
         jobs.append(("ib", ("ib",), lambda: check_ib(cfg["ib"], state["ib"])))
     if cfg["cache"]:
         jobs.append(("cache", ("cache",), lambda: check_cache(cfg["cache"])))
+    if cfg["gateway"]:  # last: a long read of its log holds up no host fault
+        jobs.append(("gateway", ("gateway_log",),
+                     lambda: check_gateway(cfg["gateway"], state["gateway"])))
     return jobs
 
 
@@ -1726,9 +1872,9 @@ def main(argv=None):
                         help="after resetting a GPU: forget its fatal Xids (PCI address as "
                              "the check names it, or all) and exit")
     parser.add_argument("--host-only", action="store_true",
-                        help="run the host's checks only (GPUs, Xid, HCAs, cache); the units' "
-                             "results in the metrics stay those of the last full run and no "
-                             "unit is restarted")
+                        help="run the host's checks only (GPUs, Xid, HCAs, cache, the "
+                             "gateway's log); the units' results in the metrics stay those "
+                             "of the last full run and no unit is restarted")
     parser.add_argument("--watch", action="store_true",
                         help="stay resident: poll what a host fault changes every "
                              "watch.interval_s and run the host's checks when it changes")

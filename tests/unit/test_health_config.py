@@ -68,6 +68,7 @@ ONE_NODE = {
             "nvlink_error_delta_max": {"recovery": 0, "replay": 100, "crc": 100, "default": 100},
             "fabric": False},
     "ib": None,
+    "gateway": {"log_tag": "gpufleet_gateway"},
     "watch": {"interval_s": 2.0},
     "drain": {"enabled": True, "after_runs": 2, "return_after_runs": 3, "cooldown_s": 600.0},
 }
@@ -111,6 +112,18 @@ def test_hosts_that_move_kv_over_rdma_check_their_hca_ports():
             "error_delta_max": {"link_downed": 0, "link_error_recovery": 0, "default": 100}}
     assert config(plan, "prefill-1", ib_min_rate_gbps="400")["ib"]["min_rate_gbps"] == 400.0
     assert config(make_plan("h200-pd-1node"), "workers-1")["ib"] is None  # NVLink only
+
+
+def test_hosts_that_run_the_gateway_count_its_responses_from_its_log():
+    """`gateway` on the hosts with a gateway process only; the tag is the one the gateway's
+    nginx logs under (roles/serve/templates/gateway-nginx.conf.j2)."""
+    plan = make_plan("h200-disagg")
+    assert config(plan, "prefill-1")["gateway"] == {"log_tag": "gpufleet_gateway"}
+    assert config(plan, "decode-1")["gateway"] is None
+    nginx = (ROLE.parent / "serve" / "templates" / "gateway-nginx.conf.j2").read_text()
+    assert "tag=gpufleet_gateway," in nginx
+    for name in ("sglang-h200-balanced", "gb200-tray"):
+        assert config(make_plan(name), "workers-1")["gateway"] == {"log_tag": "gpufleet_gateway"}
 
 
 def test_replicas_each_host_gets_the_one_node_config_with_its_name():

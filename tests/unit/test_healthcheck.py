@@ -110,16 +110,23 @@ def boom(*args, **kwargs):
 setattr(healthcheck, name, boom)
 sys.exit(healthcheck.main(sys.argv[3:]))
 '''
-# journalctl -k -o json over the lines of FAKE_KERNEL_LOG (a file): the cursor is a line
-# number
+# journalctl -k -o json over the lines of FAKE_KERNEL_LOG (a file), journalctl -t TAG -o
+# json over those of FAKE_TAG_LOGS/TAG.log (none: no entry): the cursor is a line number.
+# FAKE_JOURNAL_HANG: -t hangs after its entries (a journal too big to read in one run)
 FAKE_JOURNALCTL = r'''
-import json, os, sys
+import json, os, sys, time
 with open(os.environ["FAKE_KERNEL_LOG_ARGV"], "a") as f:
     f.write(" ".join(sys.argv[1:]) + "\n")
-lines = open(os.environ["FAKE_KERNEL_LOG"]).read().splitlines()
 after = [a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--after-cursor=")]
 start = int(after[0].split("line=")[1]) if after else 0
-assert "-k" in sys.argv and "json" in sys.argv, sys.argv
+if "-t" in sys.argv:  # a syslog identifier's entries: the cursor's, else this boot's (-b)
+    assert "-k" not in sys.argv and "json" in sys.argv, sys.argv
+    assert ("-b" in sys.argv) != bool(after), sys.argv
+    path = os.path.join(os.environ["FAKE_TAG_LOGS"], sys.argv[sys.argv.index("-t") + 1] + ".log")
+else:
+    assert "-k" in sys.argv and "json" in sys.argv, sys.argv
+    path = os.environ["FAKE_KERNEL_LOG"]
+lines = open(path).read().splitlines() if os.path.exists(path) else []
 
 
 def show(n, line):
@@ -133,15 +140,16 @@ def show(n, line):
 
 if "-f" in sys.argv:  # -f -n 0: what is appended from now on
     assert "-n" in sys.argv and "0" in sys.argv, sys.argv
-    import time
     while True:
         time.sleep(0.05)
-        now = open(os.environ["FAKE_KERNEL_LOG"]).read().splitlines()
+        now = open(path).read().splitlines()
         for n, line in enumerate(now[len(lines):], len(lines) + 1):
             show(n, line)
         lines = now
 for n, line in enumerate(lines[start:], start + 1):
     show(n, line)
+if os.environ.get("FAKE_JOURNAL_HANG") and "-t" in sys.argv:
+    time.sleep(60)
 '''
 
 
@@ -297,6 +305,24 @@ class Host:
         self.env["FAKE_KERNEL_LOG"] = str(log)
         self.env["FAKE_KERNEL_LOG_ARGV"] = str(self.root / "journalctl.argv")
         write_tool(self.bin, "journalctl", FAKE_JOURNALCTL)
+
+    def gateway_log(self, text: str, tag: str = "gpufleet_gateway") -> None:
+        """The gateway's access log lines appended since the last run (journal entries with
+        SYSLOG_IDENTIFIER tag)."""
+        folder = self.root / "tags"
+        folder.mkdir(exist_ok=True)
+        with (folder / f"{tag}.log").open("a") as handle:
+            handle.write(text)
+        self.env["FAKE_TAG_LOGS"] = str(folder)
+        self.env["FAKE_KERNEL_LOG_ARGV"] = str(self.root / "journalctl.argv")
+        self.env.setdefault("FAKE_KERNEL_LOG", str(self.root / "kernel.log"))
+        write_tool(self.bin, "journalctl", FAKE_JOURNALCTL)
+
+    def journal_argv(self, flag: str) -> list:
+        """The journalctl calls with flag (-k: the Xid check's, -t: the gateway's)."""
+        path = self.root / "journalctl.argv"
+        calls = path.read_text().splitlines() if path.exists() else []
+        return [c for c in calls if flag in c.split()]
 
     def nvlink(self, status: str, errors: str = "") -> None:
         (self.root / "nvidia-smi.xml.nvlink-s").write_text(status)
@@ -1134,7 +1160,7 @@ def test_fatal_xid_is_read_once_and_stays_red_until_reset_or_reboot(host, engine
     host.write_config(engine, gpu={"vendor": "nvidia", "count": 2, "fabric": True})
     proc = host.run()
     assert proc.returncode == 0, proc.stdout  # Xid 13: an application fault, counted
-    assert value(host.metrics(), "gpufleet_gpu_xid_events_total", xid=13) == 1
+    assert value(host.metrics(), "gpufleet_gpu_xid_events_total", pci="0000:00:07", xid=13) == 1
     host.journal("NVRM: Xid (PCI:0000:00:07): 79, pid=0, GPU has fallen off the bus.\n")
     for _ in range(7):  # many runs later (a time window would have forgotten it)
         proc = host.run()
@@ -1144,8 +1170,8 @@ def test_fatal_xid_is_read_once_and_stays_red_until_reset_or_reboot(host, engine
     m = host.metrics()
     assert value(m, "gpufleet_gpu_xid_fatal", pci="0000:00:07", xid=79) == 1
     # each event was read exactly once: the cursor moved on
-    assert value(m, "gpufleet_gpu_xid_events_total", xid=13) == 1
-    assert value(m, "gpufleet_gpu_xid_events_total", xid=79) == 1
+    assert value(m, "gpufleet_gpu_xid_events_total", pci="0000:00:07", xid=13) == 1
+    assert value(m, "gpufleet_gpu_xid_events_total", pci="0000:00:07", xid=79) == 1
     argv = (host.root / "journalctl.argv").read_text().splitlines()
     assert "--after-cursor" not in argv[0] and all("--after-cursor=s=fake;line=" in a
                                                    for a in argv[1:])
@@ -1177,7 +1203,184 @@ def test_fatal_xid_is_read_once_and_stays_red_until_reset_or_reboot(host, engine
     assert proc.returncode == 1, proc.stdout
     assert re.search(r"^ERROR gpu_xid .*1 line\(s\) that are not journal JSON \(first: "
                      r"'<journal file corrupted>'\)", proc.stdout, re.M), proc.stdout
-    assert value(host.metrics(), "gpufleet_gpu_xid_events_total", xid=13) == 1
+    assert value(host.metrics(), "gpufleet_gpu_xid_events_total", pci="0000:00:07", xid=13) == 1
+
+
+def xid_events(host: Host) -> dict:
+    return {dict(labels).get("pci", "(none)") + " " + dict(labels)["xid"]: n
+            for (name, labels), n in host.metrics().items()
+            if name == "gpufleet_gpu_xid_events_total"}
+
+
+def test_xid_events_are_counted_per_gpu(host, engine):
+    """gpufleet_gpu_xid_events_total{pci, xid}: the GPU is the PCI address the Xid message
+    names, written as gpufleet_gpu_xid_fatal writes it; the OK detail names it too."""
+    host.nvidia_smi(XML2.read_text())
+    host.nvlink(NVLINK_S.read_text(), nvlink_errors(2, 18))
+    host.journal("NVRM: Xid (PCI:0000:00:07): 13, pid=1234, Graphics Exception\n"
+                 "NVRM: Xid (PCI:0000:00:06): 13, pid=1234, Graphics Exception\n"
+                 "NVRM: Xid (PCI:0000:00:07): 13, pid=1235, Graphics Exception\n"
+                 "NVRM: Xid (PCI:0000:00:06): 31, pid=1236, MMU Fault\n")
+    host.write_config(engine, gpu={"vendor": "nvidia", "count": 2, "fabric": True})
+    proc = host.run()
+    assert proc.returncode == 0, proc.stdout
+    assert xid_events(host) == {"0000:00:06 13": 1, "0000:00:06 31": 1, "0000:00:07 13": 2}
+    assert re.search(r"^OK +gpu_xid .*no fatal Xid this boot \(Xid 13 x1 on 0000:00:06, "
+                     r"Xid 31 x1 on 0000:00:06, Xid 13 x2 on 0000:00:07\)", proc.stdout, re.M)
+    host.journal("NVRM: Xid (PCI:0000:00:06): 13, pid=1237, Graphics Exception\n")
+    assert host.run().returncode == 0
+    assert xid_events(host) == {"0000:00:06 13": 2, "0000:00:06 31": 1, "0000:00:07 13": 2}
+    state = json.loads(host.state.read_text())
+    assert state["gpu"]["xid_counts"] == {"0000:00:06": {"13": 2, "31": 1},
+                                          "0000:00:07": {"13": 2}}
+
+
+def test_an_old_state_files_xid_counts_start_over_per_gpu(host, engine):
+    """A state file of the checker before per-GPU counts ({code: n}) neither crashes the run
+    nor is read as per-GPU counts: those start over; the cursor is kept (nothing is read
+    twice) and so are the fatal Xids (already per GPU)."""
+    host.journal("NVRM: Xid (PCI:0000:00:07): 13, pid=1234, Graphics Exception\n")
+    host.write_config(engine)
+    assert host.run().returncode == 0
+    state = json.loads(host.state.read_text())
+    state["gpu"]["xid_counts"] = {"13": 1, "31": 4}  # as the old checker wrote it
+    host.state.write_text(json.dumps(state))
+    assert host.run().returncode == 0
+    assert xid_events(host) == {}  # the old counts are gone, the event not read again
+    host.journal("NVRM: Xid (PCI:0000:00:07): 31, pid=1235, MMU Fault\n")
+    proc = host.run()
+    assert proc.returncode == 0, proc.stdout
+    assert xid_events(host) == {"0000:00:07 31": 1}
+    assert json.loads(host.state.read_text())["gpu"]["xid_counts"] == {"0000:00:07": {"31": 1}}
+
+
+GATEWAY = {"log_tag": "gpufleet_gateway"}
+
+
+def responses(host: Host) -> dict:
+    """The gateway's counters: {code: n}, and "unparsed": n (absent: no such series)."""
+    out = {}
+    for (name, labels), n in host.metrics().items():
+        if name == "gpufleet_gateway_responses_total":
+            out[dict(labels)["code"]] = n
+        elif name == "gpufleet_gateway_log_unparsed_total":
+            out["unparsed"] = n
+    return out
+
+
+def gateway_result(proc: subprocess.CompletedProcess) -> dict:
+    (found,) = [c for c in json.loads(proc.stdout)["checks"] if c["check"] == "gateway_log"]
+    return found
+
+
+def test_gateway_responses_are_counted_by_status_code_once_across_runs(host, engine):
+    """The gateway's access log (journalctl -t gpufleet_gateway) read from a cursor in the
+    state file: every response counted once by its status code, read from the end of the
+    line (the request line may hold quotes and spaces); a line not in the log format counts
+    as unparsed. The counters add up across runs (each run is a new process)."""
+    host.gateway_log('10.0.0.1 "POST /v1/chat/completions HTTP/1.1" 200 512 0.034\n'
+                     '10.0.0.2 "GET /v1/models HTTP/1.1" 401 60 0.001\n'
+                     '10.0.0.1 "POST /v1/chat/completions HTTP/1.1" 200 1024 1.250\n')
+    host.gateway_log("some other program's line\n", tag="other")  # not the gateway's
+    host.write_config(engine, gateway=GATEWAY)
+    proc = host.run()
+    assert proc.returncode == 0, proc.stdout
+    assert re.search(r"^OK +gateway_log +- \S+ 3 responses since the last run: 200 x2, "
+                     r"401 x1$", proc.stdout, re.M), proc.stdout
+    assert responses(host) == {"200": 2, "401": 1, "unparsed": 0}
+    assert value(host.metrics(), "gpufleet_health_check_ok", check="gateway_log", unit="") == 1
+    host.gateway_log('10.0.0.3 "GET /v1/x?q="a b" \\"c HTTP/1.1" 404 0 0.000\n'
+                     '10.0.0.3 "" 400 0 0.000\n'
+                     'upstream said "hello" 200\n'
+                     '10.0.0.1 "POST /v1/completions HTTP/1.1" 200 77 0.5\n')
+    proc = host.run("--json")
+    assert proc.returncode == 0, proc.stderr
+    assert gateway_result(proc)["detail"] == (
+        "3 responses since the last run: 200 x1, 400 x1, 404 x1; 1 line(s) not in the "
+        "gateway's log format (counted as unparsed)")
+    assert responses(host) == {"200": 3, "400": 1, "401": 1, "404": 1, "unparsed": 1}
+    proc = host.run()  # nothing new: nothing counted again
+    assert re.search(r"^OK +gateway_log .* 0 responses since the last run$", proc.stdout, re.M)
+    assert responses(host) == {"200": 3, "400": 1, "401": 1, "404": 1, "unparsed": 1}
+    calls = host.journal_argv("-t")
+    assert len(calls) == 3 and all("-t gpufleet_gateway -o json" in c for c in calls)
+    assert " -b" in calls[0] and "--after-cursor" not in calls[0]
+    assert calls[1].endswith("--after-cursor=s=fake;line=3") and " -b" not in calls[1]
+    assert calls[2].endswith("--after-cursor=s=fake;line=7")
+    state = json.loads(host.state.read_text())["gateway"]
+    assert state == {"journal_cursor": "s=fake;line=7", "unparsed": 1,
+                     "responses": {"200": 3, "400": 1, "401": 1, "404": 1}}
+    # observing only (fab health) counts on a copy: the next run counts the same entries
+    host.gateway_log('10.0.0.1 "GET /health HTTP/1.1" 200 2 0.000\n')
+    assert host.run("--no-restart").returncode == 0
+    assert responses(host)["200"] == 4
+    assert host.run().returncode == 0
+    assert responses(host)["200"] == 4
+
+
+def test_gateway_log_trouble_is_an_error_never_a_fail(host, engine):
+    """journalctl failing, missing or printing what is not journal JSON: an error (the
+    checker's own trouble: no drain, no held restart), the entries around it still counted
+    and the counters kept; a journal too big for one run is read on by the next."""
+    drain_host(host, engine, after_runs=1)
+    cfg = json.loads(host.config.read_text().split("\n", 1)[1])
+    cfg["gateway"] = GATEWAY
+    host.config.write_text(json.dumps(cfg))
+    host.gateway_log('10.0.0.1 "POST /v1/completions HTTP/1.1" 200 5 0.1\n')
+    assert host.run().returncode == 0
+    write_tool(host.bin, "journalctl", FAILING_JOURNALCTL)
+    for _ in range(2):
+        proc = host.run("--json")
+        report = json.loads(proc.stdout)
+        assert proc.returncode == 1 and report["host_fault"] == [] and report["drained"] == []
+    found = gateway_result(proc)
+    assert found["status"] == "error" and "Bad message" in found["detail"], found
+    assert "journalctl -t gpufleet_gateway: Failed to get journal" in found["detail"]
+    assert responses(host) == {"200": 1, "unparsed": 0}  # the counters stay
+    assert value(host.metrics(), "gpufleet_health_check_status", check="gateway_log", unit="",
+                 status="error") == 1
+    (host.bin / "journalctl").unlink()
+    proc = host.run("--json")
+    assert gateway_result(proc)["status"] == "error"
+    assert "journalctl not found" in gateway_result(proc)["detail"]
+    assert json.loads(proc.stdout)["host_fault"] == []
+    host.gateway_log("RAW <journal file corrupted>\n"
+                     '10.0.0.1 "POST /v1/completions HTTP/1.1" 503 5 0.1\n')
+    proc = host.run("--json")
+    found = gateway_result(proc)
+    assert proc.returncode == 1 and found["status"] == "error", found
+    assert "1 line(s) that are not journal JSON (first: '<journal file corrupted>')" in \
+        found["detail"] and "1 responses since the last run: 503 x1" in found["detail"]
+    assert responses(host) == {"200": 1, "503": 1, "unparsed": 0}
+    assert stops_starts(host) == []
+    # a journal that takes longer than a run may read: what was read is counted, the next
+    # run reads on from there; one that gives nothing at all is an error
+    src = host.script.read_text()
+    host.script.write_text(src.replace("GATEWAY_READ_S = 20", "GATEWAY_READ_S = 1"))
+    host.env["FAKE_JOURNAL_HANG"] = "1"
+    host.gateway_log('10.0.0.1 "POST /v1/completions HTTP/1.1" 200 5 0.1\n' * 3)
+    proc = host.run("--json")
+    found = gateway_result(proc)
+    assert found["status"] == "ok" and found["detail"] == (
+        "3 responses since the last run: 200 x3 (read for 1s: the next run reads on)"), found
+    proc = host.run("--json")
+    found = gateway_result(proc)
+    assert found["status"] == "error" and "gave nothing within 1s" in found["detail"], found
+    assert responses(host) == {"200": 4, "503": 1, "unparsed": 0}
+
+
+def test_no_gateway_config_reads_no_gateway_log(host, engine):
+    """No gateway on the host (no `gateway` in the config, or null): no job, no result, no
+    gateway metrics, no journalctl -t."""
+    host.gateway_log('10.0.0.1 "POST /v1/completions HTTP/1.1" 200 5 0.1\n')
+    for gateway in ({}, {"gateway": None}):
+        host.write_config(engine, **gateway)
+        proc = host.run("--json")
+        assert proc.returncode == 0, proc.stderr
+        assert "gateway_log" not in {c["check"] for c in json.loads(proc.stdout)["checks"]}
+        assert "gpufleet_gateway" not in host.textfile.read_text()
+        assert host.journal_argv("-t") == []
+        assert json.loads(host.state.read_text())["gateway"] == {}
 
 
 def write_ib_port(root: Path, hca: str, state="4: ACTIVE", phys="5: LinkUp",
@@ -1636,6 +1839,13 @@ def test_cache_filesystem_full(host, engine):
     (lambda c: c["gpu"].update(temperature_max_c=0), "gpu.temperature_max_c"),
     (lambda c: c.update(version=2), "version"),
     (lambda c: c.update(textfile="metrics.prom"), "textfile"),
+    (lambda c: c.update(gateway="gpufleet_gateway"),
+     'gateway: expected an object like {"log_tag": "gpufleet_gateway"} or null'),
+    (lambda c: c.update(gateway={}), "gateway.log_tag: required"),
+    (lambda c: c.update(gateway={"log_tag": 7}), "gateway.log_tag: expected a syslog identifier"),
+    (lambda c: c.update(gateway={"log_tag": "-k"}),
+     "gateway.log_tag: expected a syslog identifier like gpufleet_gateway, got '-k'"),
+    (lambda c: c.update(gateway={"log_tag": "gpufleet gateway"}), "gateway.log_tag"),
 ])
 def test_config_errors_name_the_field(host, engine, mutate, field):
     cfg = host.write_config(engine)

@@ -3,6 +3,11 @@ host of the plan, from the plan and the health role's settings."""
 
 from __future__ import annotations
 
+# The syslog tag the API gateway's nginx logs each request under (its access_log in
+# roles/serve/templates/gateway-nginx.conf.j2): the checker counts its responses by status
+# code from the journal entries with this SYSLOG_IDENTIFIER
+GATEWAY_LOG_TAG = "gpufleet_gateway"
+
 
 def _bool(name: str, value: object) -> bool:
     """A yes/no setting, as Ansible's bool filter reads it; anything else is refused."""
@@ -106,6 +111,9 @@ def health_config(slice_: dict, options: dict, fabric_external: bool = False) ->
                               if opt["ib_min_rate_gbps"] not in (None, "") else None),
             "error_delta_max": {k: int(v) for k, v in opt["ib_error_delta_max"].items()},
         } if facts.get("rdma") else None,
+        # the API gateway's access log, on the hosts that run the gateway
+        "gateway": ({"log_tag": GATEWAY_LOG_TAG}
+                    if any(p["role"] == "gateway" for p in processes) else None),
         "watch": {"interval_s": float(opt["watch_interval_s"])},
         "drain": {"enabled": _bool("drain", opt["drain"]),
                   "after_runs": int(opt["drain_after_runs"]),

@@ -34,6 +34,8 @@ INVENTORY_OVERRIDES = {
     "gpufleet_tls_ca_file": "tls_ca_file",
     "gpufleet_metrics_allow": "metrics_allow",
     "gpufleet_metrics_port": "metrics_port",
+    "gpufleet_alert_bounds": "alert_bounds",
+    "gpufleet_dcgm_exporter_port": "dcgm_exporter_port",
     "gpufleet_replicas": "replicas",
     "gpufleet_workers": "workers",
     "gpufleet_runtime": "runtime",

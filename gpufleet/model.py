@@ -53,6 +53,21 @@ class PlanError(Exception):
         super().__init__("\n".join(f"- {p}" for p in problems))
 
 
+class AlertBounds(BaseModel):
+    """The deployment's serving-alert bounds (gpufleet_alert_bounds; monitoring/
+    gpufleet-alerts.yml compares with them, `fab monitoring --write` gives them to
+    Prometheus as gpufleet_alert_bound{deployment, bound})."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    ttft_p99_seconds: float = Field(10.0, gt=0)  # time to first token, p99 over 5 min
+    itl_p99_seconds: float = Field(0.5, gt=0)  # time between two tokens, p99 over 5 min
+    requests_waiting: float = Field(32, ge=0)  # one engine's waiting requests, and growing
+    kv_cache_usage: float = Field(0.95, gt=0, le=1)  # one engine's KV cache, used share
+    gateway_5xx_ratio: float = Field(0.05, gt=0, le=1)  # the gateway's 5xx share
+    engine_error_ratio: float = Field(0.05, gt=0, le=1)  # one engine's failed requests
+
+
 class Overrides(BaseModel):
     """What an operator may change on top of a target (CLI --with/--set, inventory vars)."""
 
@@ -81,6 +96,10 @@ class Overrides(BaseModel):
     # the addresses or networks that may scrape it (empty: no listener) and its port
     metrics_allow: list[str] = Field(default_factory=list)
     metrics_port: int = 9464
+    # a site's own dcgm-exporter on every host of the deployment (its port; None: none):
+    # the listener serves its metrics too, at /metrics/dcgm-exporter
+    dcgm_exporter_port: int | None = None
+    alert_bounds: AlertBounds = Field(default_factory=AlertBounds)
     # a single-node target on every host of its group: one independent copy per host
     replicas: bool = False
     # engine role -> how many workers of it run behind the target's one router (default 1
@@ -152,6 +171,13 @@ class Overrides(BaseModel):
     def _metrics_port(cls, value):
         return _named(inputs.port, value, "gpufleet_metrics_port",
                       "choose a free port from 1024 to 65535")
+
+    @field_validator("dcgm_exporter_port", mode="before")
+    @classmethod
+    def _dcgm_exporter_port(cls, value):
+        return value if value is None else _named(
+            inputs.port, value, "gpufleet_dcgm_exporter_port",
+            "give the port your dcgm-exporter listens on (its default: 9400), or leave it out")
 
     @field_validator("gpus", mode="before")
     @classmethod

@@ -51,6 +51,9 @@ from .overrides import managed, pinned
 
 GATEWAY_CONF_DIR = "/etc/gpufleet/gateway"
 METRICS_CONF_DIR = "/etc/gpufleet/metrics"  # the metrics listener's (engines.yml `metrics`)
+# where the health checker writes its metrics (roles/health health_textfile, the checker's
+# default): Debian's and Ubuntu's node_exporter textfile directory
+HEALTH_TEXTFILE = "/var/lib/prometheus/node-exporter/gpufleet.prom"
 GATEWAY_RETRIES = 4  # a pool's failed request is sent again 4 times: five tries
 # a pool worker's type as vllm-router and sglang-router name it (GET and POST /workers):
 # an aggregated target's worker is "regular"
@@ -231,6 +234,10 @@ def _override_problem(error: dict) -> Problem:
     message, _, fix = message.partition(". Fix: ")
     # a validator names the variable as the operator wrote it (gpufleet_ports.router.http)
     named, _, rest = message.partition(" ") if message.startswith("gpufleet_") else ("", "", "")
+    if error["loc"][:1] == ("alert_bounds",):  # a constraint of the model, no validator's text
+        return Problem("gpufleet_alert_bounds." + ".".join(str(p) for p in error["loc"][1:]),
+                       message, "give the bounds docs/monitoring.md lists, as numbers in "
+                       "their ranges (ratios from 0 to 1, seconds above 0)")
     return Problem(named or "overrides." + ".".join(str(p) for p in error["loc"]),
                    rest or message,
                    fix or "see inventories/sample/group_vars/all.yml for the accepted "
@@ -804,11 +811,23 @@ def _monitoring(ov: Overrides, inventory, target, processes: list[Process]) -> d
     and the process."""
     listener = {"port": ov.metrics_port, "allow": list(ov.metrics_allow)} \
         if ov.metrics_allow else None
+    served = [{"host": p.host, "address": p.address, "process": p.name, "role": p.role,
+               "unit": p.unit, "path": f"/metrics/{p.name}", "upstream": p.metrics}
+              for p in processes if p.metrics]
+    hosts = {p.host: p.address for p in processes}
+    # the health checker's textfile (roles/health), served as it is: no process to proxy
+    served += [{"host": host, "address": address, "process": "health", "role": "health",
+                "unit": "gpufleet-health.service", "path": "/metrics/health",
+                "upstream": None, "file": HEALTH_TEXTFILE} for host, address in hosts.items()]
+    if ov.dcgm_exporter_port:  # the site's dcgm-exporter (not the deployment's)
+        served += [{"host": host, "address": address, "process": "dcgm-exporter",
+                    "role": "dcgm", "unit": None, "path": "/metrics/dcgm-exporter",
+                    "upstream": f"http://127.0.0.1:{ov.dcgm_exporter_port}/metrics"}
+                   for host, address in hosts.items()]
     return {"deployment": deployment_id(inventory), "target": target.name,
             "listener": listener, "conf_dir": METRICS_CONF_DIR,
-            "targets": [{"host": p.host, "address": p.address, "process": p.name,
-                         "role": p.role, "unit": p.unit, "path": f"/metrics/{p.name}",
-                         "upstream": p.metrics} for p in processes if p.metrics]}
+            "bounds": ov.alert_bounds.model_dump(),
+            "targets": served}
 
 
 def _listener(host: str, address: str, ov: Overrides) -> Process:

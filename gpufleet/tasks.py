@@ -78,7 +78,7 @@ def _project() -> tuple[Path, dict[str, str]]:
         raise Exit(f"gpufleet: the collection gpufleet.fleet at {found} is version {have}, "
                    f"this gpufleet is {_version()}: the roles and the planner must match. Fix: "
                    f"ansible-galaxy collection install --force gpufleet-fleet-{_version()}"
-                   ".tar.gz (or pip install gpufleet=={have})", code=2)
+                   f".tar.gz (or pip install gpufleet=={have})", code=2)
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "gpufleet"
     return found, {
         "ANSIBLE_CONFIG": str(found / "ansible.cfg"),
@@ -563,7 +563,8 @@ def endpoint(c, target=None, inventory=DEFAULT_INVENTORY, format="text"):
 
 @inventory_task(help={"target": PLAN_HELP["target"], "inventory": PLAN_HELP["inventory"],
             "format": "text (default: the job and the targets) or json (the targets only)",
-            "write": "write the targets to DIR/DEPLOYMENT.json (a folder Prometheus reads)"})
+            "write": "write the targets to DIR/DEPLOYMENT.json and the alert bounds to "
+                     "DIR/DEPLOYMENT.rules.yml (a folder Prometheus reads)"})
 def monitoring(c, target=None, inventory=DEFAULT_INVENTORY, format="text", write=None):
     """Prometheus's scrape targets for the deployment: its processes' metrics, labelled."""
     from gpufleet import monitoring as mon
@@ -578,23 +579,26 @@ def monitoring(c, target=None, inventory=DEFAULT_INVENTORY, format="text", write
                    "deploy again", code=2)
     if write:
         try:
-            path = mon.write(m, os.path.expanduser(write))
+            paths = mon.write(m, os.path.expanduser(write))
         except OSError as exc:
             raise Exit(f"gpufleet: cannot write the targets into {write}: {exc.strerror}. "
                        "Fix: name a folder you may write (Prometheus's file_sd folder)",
                        code=1) from None
-        print(f"gpufleet: {len(m['targets'])} targets of {m['deployment']} in {path}",
-              file=sys.stderr)
+        print(f"gpufleet: {len(m['targets'])} targets of {m['deployment']} in {paths[0]}, "
+              f"its alert bounds in {paths[1]}", file=sys.stderr)
     if format == "json":
         print(json.dumps(mon.file_sd(m), indent=2))
         return
-    folder = os.path.dirname(path) if write else "/etc/prometheus/gpufleet"
+    folder = os.path.dirname(paths[0]) if write else "/etc/prometheus/gpufleet"
     print(f"# {m['deployment']} ({m['target']}): {len(m['targets'])} targets, each host's "
           f"metrics listener at port {m['listener']['port']}, open to "
           f"{', '.join(m['listener']['allow'])}")
     if not write:
-        print(f"# write the targets: fab monitoring -i {inventory} --write {folder}")
-    print(f"# then, once, in prometheus.yml under scrape_configs:\n{mon.scrape_config(folder)}")
+        print(f"# write the targets and the alert bounds: fab monitoring -i {inventory} "
+              f"--write {folder}")
+    print(f"# then, once, in prometheus.yml under scrape_configs:\n{mon.scrape_config(folder)}"
+          f"# and at its top (monitoring/gpufleet-alerts.yml copied there; reload Prometheus "
+          f"when a deployment's bounds file is new):\n{mon.rule_files(folder)}")
 
 
 @inventory_task(help={"target": PLAN_HELP["target"], "inventory": PLAN_HELP["inventory"],

@@ -130,6 +130,7 @@ def test_built_installed_and_used_from_outside_the_checkout(tmp_path):
     manifest.write_text(json.dumps(data))
     other = fab("status", "-i", "inventory.yml", "--target", "h200-pd-1node")
     assert other.returncode == 2 and "is version 0.0.1" in other.stderr, other.stderr
+    assert "(or pip install gpufleet==0.0.1)" in other.stderr, other.stderr
     manifest.unlink()
     env["ANSIBLE_COLLECTIONS_PATH"] = str(tmp_path / "nothing")
     missing = fab("status", "-i", "inventory.yml", "--target", "h200-pd-1node")

@@ -11,15 +11,18 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import stat
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from test_plan_workers import hosts  # inventories of N hosts a group, 10.9.G.N
 
 from gpufleet import monitoring
+from gpufleet.host import healthcheck
 from gpufleet.model import PlanError
 from gpufleet.plan import make_plan
 
@@ -28,7 +31,8 @@ ALLOW = {"metrics_allow": ["10.0.0.5", "10.8.0.0/16"]}
 
 
 def upstreams(plan) -> dict[str, str]:
-    return {t["process"]: t["upstream"] for t in plan.monitoring["targets"]}
+    """The processes' metrics URLs (the health checker's file is no process's)."""
+    return {t["process"]: t["upstream"] for t in plan.monitoring["targets"] if t["upstream"]}
 
 
 def flag(argv: list[str], name: str) -> str:
@@ -141,18 +145,74 @@ def test_file_sd_labels_each_process_with_its_deployment():
     groups = monitoring.file_sd(plan.monitoring)
     assert {"targets": ["10.9.0.1:9464"],
             "labels": {"__metrics_path__": "/metrics/router", "deployment": "test",
-                       "target": "sglang-h200-pd", "host": "prefill-1", "role": "router",
-                       "process": "router"}} in groups
-    assert len(groups) == 3
+                       "target": "sglang-h200-pd", "host": "prefill-1",
+                       "instance": "prefill-1", "role": "router", "process": "router"}} in groups
+    assert {"targets": ["10.9.1.1:9464"],
+            "labels": {"__metrics_path__": "/metrics/health", "deployment": "test",
+                       "target": "sglang-h200-pd", "host": "decode-1",
+                       "instance": "decode-1", "role": "health", "process": "health"}} in groups
+    assert len(groups) == 5  # prefill, decode, router; each host's health checker
+
+
+def test_each_host_serves_its_health_checkers_file():
+    plan = make_plan("sglang-h200-pd", hosts(prefill=1, decode=1), ALLOW)
+    health = [t for t in plan.monitoring["targets"] if t["process"] == "health"]
+    assert [(t["host"], t["file"], t["upstream"]) for t in health] == [
+        ("prefill-1", "/var/lib/prometheus/node-exporter/gpufleet.prom", None),
+        ("decode-1", "/var/lib/prometheus/node-exporter/gpufleet.prom", None)]
+    # the one path: the health role's default and the checker's agree with the plan
+    defaults = yaml.safe_load((REPO / "roles/health/defaults/main.yml").read_text())
+    assert defaults["health_textfile"] == health[0]["file"]
+    assert health[0]["file"] == healthcheck.DEFAULT_TEXTFILE
+
+
+def test_alert_bounds_default_and_from_the_inventory():
+    plan = make_plan("h200-pd-1node", hosts(workers=1), ALLOW)
+    assert plan.monitoring["bounds"] == {
+        "ttft_p99_seconds": 10.0, "itl_p99_seconds": 0.5, "requests_waiting": 32,
+        "kv_cache_usage": 0.95, "gateway_5xx_ratio": 0.05, "engine_error_ratio": 0.05}
+    plan = make_plan("h200-pd-1node", hosts(workers=1),
+                     {**ALLOW, "alert_bounds": {"ttft_p99_seconds": 2.5}})
+    assert plan.monitoring["bounds"]["ttft_p99_seconds"] == 2.5
+
+
+@pytest.mark.parametrize(("bounds", "says"), [
+    ({"ttft_p99_seconds": 0}, "gpufleet_alert_bounds.ttft_p99_seconds: Input should be "
+                              "greater than 0"),
+    ({"kv_cache_usage": 1.5}, "gpufleet_alert_bounds.kv_cache_usage: Input should be less"),
+    ({"ttft": 3}, "gpufleet_alert_bounds.ttft: Extra inputs are not permitted"),
+])
+def test_a_bad_alert_bound_is_refused_with_the_fix(bounds, says):
+    with pytest.raises(PlanError) as err:
+        make_plan("h200-pd-1node", hosts(workers=1), {**ALLOW, "alert_bounds": bounds})
+    assert says in str(err.value) and "Fix: give the bounds docs/monitoring.md lists" in \
+        str(err.value)
+
+
+def test_the_bounds_rules_are_what_promtool_accepts(tmp_path):
+    plan = make_plan("h200-pd-1node", hosts(workers=1),
+                     {**ALLOW, "alert_bounds": {"kv_cache_usage": 0.9}})
+    _, rules = monitoring.write(plan.monitoring, str(tmp_path))
+    data = yaml.safe_load(Path(rules).read_text())
+    (group,) = data["groups"]
+    assert {"record": "gpufleet_alert_bound", "expr": "vector(0.9)",
+            "labels": {"deployment": "test", "bound": "kv_cache_usage"}} in group["rules"]
+    assert len(group["rules"]) == 6
+    exe = shutil.which("promtool")
+    assert exe, "promtool not found. Fix: apt-get install prometheus (scripts/setup installs it)"
+    out = subprocess.run([exe, "check", "rules", rules], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
 
 
 def test_the_targets_file_is_written_whole(tmp_path):
     plan = make_plan("h200-pd-1node", hosts(workers=1), ALLOW)
-    path = monitoring.write(plan.monitoring, str(tmp_path / "sd"))
-    assert path == str(tmp_path / "sd" / "test.json")
+    path, rules = monitoring.write(plan.monitoring, str(tmp_path / "sd"))
+    assert (path, rules) == (str(tmp_path / "sd" / "test.json"),
+                             str(tmp_path / "sd" / "test.rules.yml"))
     assert json.loads(Path(path).read_text()) == monitoring.file_sd(plan.monitoring)
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o644
-    assert os.listdir(tmp_path / "sd") == ["test.json"]  # no temporary file left
+    # no temporary file left
+    assert sorted(os.listdir(tmp_path / "sd")) == ["test.json", "test.rules.yml"]
 
 
 def fab(tmp_path, *args):
@@ -180,8 +240,11 @@ def test_fab_monitoring_writes_the_targets_and_prints_the_job(tmp_path):
     assert "  - job_name: gpufleet\n    file_sd_configs:\n" in out.stdout
     assert f"files: ['{tmp_path}/sd/*.json']" in out.stdout
     assert "open to 10.0.0.5" in out.stdout
+    assert "rule_files:\n  - /etc/prometheus/gpufleet-alerts.yml" in out.stdout
+    assert f"  - {tmp_path}/sd/*.rules.yml" in out.stdout
     written = json.loads((tmp_path / "sd" / "eu1.json").read_text())
-    assert {g["labels"]["process"] for g in written} == {"prefill", "decode", "router"}
+    assert {g["labels"]["process"] for g in written} == {"prefill", "decode", "router", "health"}
+    assert (tmp_path / "sd" / "eu1.rules.yml").is_file()
     assert all(g["targets"] == ["10.9.0.1:9464"] for g in written)
     as_json = fab(tmp_path, "-i", inv, "--format", "json")
     assert as_json.returncode == 0 and json.loads(as_json.stdout) == written

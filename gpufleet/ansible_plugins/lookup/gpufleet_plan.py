@@ -77,7 +77,11 @@ description:
     every host then runs a metrics listener on its address at C(gpufleet_metrics_port)
     (default 9464) that serves each process's metrics at /metrics/PROCESS to those and
     refuses everyone else (C(fab monitoring) writes Prometheus's targets). Empty (the
-    default): no listener. Neither has a command-line option.
+    default): no listener. C(gpufleet_dcgm_exporter_port) is the port of a dcgm-exporter
+    the site runs on every host: the listener serves its metrics too. C(gpufleet_alert_bounds)
+    sets the serving alerts' bounds (C(ttft_p99_seconds), C(itl_p99_seconds),
+    C(requests_waiting), C(kv_cache_usage), C(gateway_5xx_ratio), C(engine_error_ratio));
+    C(fab monitoring --write) records them for Prometheus. None has a command-line option.
   - >-
     C(gpufleet_replicas) (true) runs a single-node target on every host of its group, one
     independent copy each with its own endpoint. It has no command-line option.

@@ -22,6 +22,7 @@ import os
 import tempfile
 
 JOB = "gpufleet"
+ALERTS = "gpufleet-alerts.yml"  # monitoring/'s, written beside the targets
 
 
 def file_sd(monitoring: dict) -> list[dict]:
@@ -46,8 +47,8 @@ def scrape_config(folder: str) -> str:
 
 def rule_files(folder: str) -> str:
     """What prometheus.yml's rule_files lists: the alerts and every deployment's bounds."""
-    return (f"rule_files:\n  - /etc/prometheus/gpufleet-alerts.yml  # monitoring/ of gpufleet\n"
-            f"  - {folder.rstrip('/')}/*.rules.yml\n")
+    folder = folder.rstrip("/")
+    return f"rule_files:\n  - {folder}/{ALERTS}\n  - {folder}/*.rules.yml\n"
 
 
 def bound_rules(monitoring: dict) -> str:
@@ -75,10 +76,14 @@ def _atomic(folder: str, name: str, text: str) -> str:
     return path
 
 
-def write(monitoring: dict, folder: str) -> list[str]:
-    """The deployment's targets (FOLDER/DEPLOYMENT.json) and alert bounds
-    (FOLDER/DEPLOYMENT.rules.yml); their paths."""
+def write(monitoring: dict, folder: str, alerts: str) -> list[str]:
+    """The deployment's targets (FOLDER/DEPLOYMENT.json), its alert bounds
+    (FOLDER/DEPLOYMENT.rules.yml) and the alert rules every deployment shares (ALERTS,
+    monitoring/gpufleet-alerts.yml, as FOLDER/gpufleet-alerts.yml); their paths."""
     os.makedirs(folder, exist_ok=True)
     name = monitoring["deployment"]
+    with open(alerts, encoding="utf-8") as fh:
+        rules = fh.read()
     return [_atomic(folder, f"{name}.json", json.dumps(file_sd(monitoring), indent=2) + "\n"),
-            _atomic(folder, f"{name}.rules.yml", bound_rules(monitoring))]
+            _atomic(folder, f"{name}.rules.yml", bound_rules(monitoring)),
+            _atomic(folder, ALERTS, rules)]

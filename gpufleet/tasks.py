@@ -563,8 +563,9 @@ def endpoint(c, target=None, inventory=DEFAULT_INVENTORY, format="text"):
 
 @inventory_task(help={"target": PLAN_HELP["target"], "inventory": PLAN_HELP["inventory"],
             "format": "text (default: the job and the targets) or json (the targets only)",
-            "write": "write the targets to DIR/DEPLOYMENT.json and the alert bounds to "
-                     "DIR/DEPLOYMENT.rules.yml (a folder Prometheus reads)"})
+            "write": "write the targets to DIR/DEPLOYMENT.json, the alert bounds to "
+                     "DIR/DEPLOYMENT.rules.yml and the alert rules to "
+                     "DIR/gpufleet-alerts.yml (a folder Prometheus reads)"})
 def monitoring(c, target=None, inventory=DEFAULT_INVENTORY, format="text", write=None):
     """Prometheus's scrape targets for the deployment: its processes' metrics, labelled."""
     from gpufleet import monitoring as mon
@@ -579,13 +580,15 @@ def monitoring(c, target=None, inventory=DEFAULT_INVENTORY, format="text", write
                    "deploy again", code=2)
     if write:
         try:
-            paths = mon.write(m, os.path.expanduser(write))
+            paths = mon.write(m, os.path.expanduser(write),
+                              str(_project()[0] / "monitoring" / mon.ALERTS))
         except OSError as exc:
             raise Exit(f"gpufleet: cannot write the targets into {write}: {exc.strerror}. "
                        "Fix: name a folder you may write (Prometheus's file_sd folder)",
                        code=1) from None
         print(f"gpufleet: {len(m['targets'])} targets of {m['deployment']} in {paths[0]}, "
-              f"its alert bounds in {paths[1]}", file=sys.stderr)
+              f"its alert bounds in {paths[1]}, the alert rules in {paths[2]}",
+              file=sys.stderr)
     if format == "json":
         print(json.dumps(mon.file_sd(m), indent=2))
         return
@@ -594,11 +597,11 @@ def monitoring(c, target=None, inventory=DEFAULT_INVENTORY, format="text", write
           f"metrics listener at port {m['listener']['port']}, open to "
           f"{', '.join(m['listener']['allow'])}")
     if not write:
-        print(f"# write the targets and the alert bounds: fab monitoring -i {inventory} "
-              f"--write {folder}")
+        print(f"# write the targets, the alert bounds and the alert rules: fab monitoring "
+              f"-i {inventory} --write {folder}")
     print(f"# then, once, in prometheus.yml under scrape_configs:\n{mon.scrape_config(folder)}"
-          f"# and at its top (monitoring/gpufleet-alerts.yml copied there; reload Prometheus "
-          f"when a deployment's bounds file is new):\n{mon.rule_files(folder)}")
+          f"# and at its top (reload Prometheus when a deployment's bounds file is new or "
+          f"the rules changed):\n{mon.rule_files(folder)}")
 
 
 @inventory_task(help={"target": PLAN_HELP["target"], "inventory": PLAN_HELP["inventory"],

@@ -28,6 +28,7 @@ from gpufleet.plan import make_plan
 
 REPO = Path(__file__).resolve().parents[2]
 ALLOW = {"metrics_allow": ["10.0.0.5", "10.8.0.0/16"]}
+ALERTS = REPO / "monitoring" / "gpufleet-alerts.yml"
 
 
 def upstreams(plan) -> dict[str, str]:
@@ -192,7 +193,7 @@ def test_a_bad_alert_bound_is_refused_with_the_fix(bounds, says):
 def test_the_bounds_rules_are_what_promtool_accepts(tmp_path):
     plan = make_plan("h200-pd-1node", hosts(workers=1),
                      {**ALLOW, "alert_bounds": {"kv_cache_usage": 0.9}})
-    _, rules = monitoring.write(plan.monitoring, str(tmp_path))
+    _, rules, _ = monitoring.write(plan.monitoring, str(tmp_path), str(ALERTS))
     data = yaml.safe_load(Path(rules).read_text())
     (group,) = data["groups"]
     assert {"record": "gpufleet_alert_bound", "expr": "vector(0.9)",
@@ -206,13 +207,14 @@ def test_the_bounds_rules_are_what_promtool_accepts(tmp_path):
 
 def test_the_targets_file_is_written_whole(tmp_path):
     plan = make_plan("h200-pd-1node", hosts(workers=1), ALLOW)
-    path, rules = monitoring.write(plan.monitoring, str(tmp_path / "sd"))
-    assert (path, rules) == (str(tmp_path / "sd" / "test.json"),
-                             str(tmp_path / "sd" / "test.rules.yml"))
-    assert json.loads(Path(path).read_text()) == monitoring.file_sd(plan.monitoring)
-    assert stat.S_IMODE(os.stat(path).st_mode) == 0o644
+    written = monitoring.write(plan.monitoring, str(tmp_path / "sd"), str(ALERTS))
+    assert written == [str(tmp_path / "sd" / name)
+                       for name in ("test.json", "test.rules.yml", "gpufleet-alerts.yml")]
+    assert json.loads(Path(written[0]).read_text()) == monitoring.file_sd(plan.monitoring)
+    assert Path(written[2]).read_text() == ALERTS.read_text()
+    assert {stat.S_IMODE(os.stat(p).st_mode) for p in written} == {0o644}
     # no temporary file left
-    assert sorted(os.listdir(tmp_path / "sd")) == ["test.json", "test.rules.yml"]
+    assert sorted(os.listdir(tmp_path / "sd")) == sorted(os.path.basename(p) for p in written)
 
 
 def fab(tmp_path, *args):
@@ -240,8 +242,9 @@ def test_fab_monitoring_writes_the_targets_and_prints_the_job(tmp_path):
     assert "  - job_name: gpufleet\n    file_sd_configs:\n" in out.stdout
     assert f"files: ['{tmp_path}/sd/*.json']" in out.stdout
     assert "open to 10.0.0.5" in out.stdout
-    assert "rule_files:\n  - /etc/prometheus/gpufleet-alerts.yml" in out.stdout
-    assert f"  - {tmp_path}/sd/*.rules.yml" in out.stdout
+    assert f"rule_files:\n  - {tmp_path}/sd/gpufleet-alerts.yml\n  - {tmp_path}/sd/*.rules.yml\n" \
+        in out.stdout
+    assert (tmp_path / "sd" / "gpufleet-alerts.yml").read_text() == ALERTS.read_text()
     written = json.loads((tmp_path / "sd" / "eu1.json").read_text())
     assert {g["labels"]["process"] for g in written} == {"prefill", "decode", "router", "health"}
     assert (tmp_path / "sd" / "eu1.rules.yml").is_file()

@@ -1,8 +1,12 @@
 """The Prometheus alert rules and the Grafana dashboard in monitoring/.
 
 promtool (Debian's prometheus package) checks the rules and runs their unit tests; the
-rest checks that every alert is tested and annotated, that the dashboard is well formed,
-and that every metric the rules and the dashboard use is one the health checker writes.
+rest checks that every alert is tested, annotated and has its runbook, that the dashboard
+is well formed, and that every metric the rules and the dashboard use is one that exists:
+the health checker's (its source), the engines' (the lab's stand-ins emit the names the
+real engines define, lab/standins/gpufleet_standin/metrics.json, which says where each was
+read), dcgm-exporter's (the lab's stand-in), Dynamo's frontend's (the lab runs the real
+one), and the bounds `fab monitoring` writes; docs/monitoring.md lists each with its source.
 """
 
 from __future__ import annotations
@@ -23,6 +27,9 @@ RULES = MONITORING / "gpufleet-alerts.yml"
 RULES_TEST = MONITORING / "gpufleet-alerts_test.yml"
 DASHBOARD = MONITORING / "gpufleet-dashboard.json"
 CHECKER = REPO / "gpufleet" / "host" / "healthcheck.py"
+DOC = REPO / "docs" / "monitoring.md"
+STANDIN_METRICS = REPO / "lab" / "standins" / "gpufleet_standin" / "metrics.json"
+DCGM_STANDIN = REPO / "lab" / "gpufleet_lab" / "hwsim_data" / "hwlab.py"
 
 # What the health checker writes (roles/health/README.md lists them with their labels).
 METRICS = {
@@ -58,10 +65,21 @@ METRICS = {
     "gpufleet_ib_port_errors",
     "gpufleet_host_fault",
     "gpufleet_unit_drained",
+    "gpufleet_gateway_responses_total",
+    "gpufleet_gateway_log_unparsed_total",
 }
-# Not the checker's: Prometheus' own `up`, and node_exporter's build info (the absent
-# alert tells node_exporter targets from other scrape targets with it).
-STANDARD = {"up", "node_exporter_build_info"}
+# Not the checker's: Prometheus' own `up`, node_exporter's build info (the absent alert
+# tells node_exporter targets from other scrape targets with it), and the deployments'
+# alert bounds (gpufleet/monitoring.py bound_rules).
+STANDARD = {"up", "node_exporter_build_info", "gpufleet_alert_bound"}
+# Dynamo 1.6.1's frontend (the lab runs the real one; test_deploy reads them off it)
+DYNAMO = {
+    "dynamo_frontend_inflight_requests",
+    "dynamo_frontend_queued_requests",
+    "dynamo_frontend_time_to_first_token_seconds",
+    "dynamo_frontend_inter_token_latency_seconds",
+    "dynamo_frontend_request_duration_seconds",
+}
 
 # PromQL words that are not metric names: operators, modifiers, aggregations (which may
 # be followed by `by (...)` rather than `(`), and functions (also caught by the `(`).
@@ -143,15 +161,21 @@ def test_promtool_test_rules():
     promtool("test", "rules", str(RULES_TEST.relative_to(REPO)))
 
 
-def test_every_alert_has_severity_summary_and_description():
+def test_every_alert_has_severity_summary_description_and_runbook():
     names = [rule["alert"] for rule in alerts()]
     assert names and len(names) == len(set(names)), f"duplicate alert names: {names}"
+    headings = set(re.findall(r"^### (Gpufleet\w+)$", DOC.read_text(), re.MULTILINE))
     for rule in alerts():
         where = rule["alert"]
         assert rule.get("labels", {}).get("severity") in ("critical", "warning"), where
         for key in ("summary", "description"):
             text = rule.get("annotations", {}).get(key, "")
-            assert "{{ $labels.instance }}" in text, f"{where}: {key} does not name the host"
+            assert "{{ $labels.instance }}" in text or "{{ $labels.deployment }}" in text, \
+                f"{where}: {key} names neither the host nor the deployment"
+        # the runbook: a section of docs/monitoring.md (GitHub's and Grafana's anchors)
+        assert rule["annotations"].get("runbook_url") == \
+            f"docs/monitoring.md#{where.lower()}", where
+        assert where in headings, f"{where}: no '### {where}' runbook in docs/monitoring.md"
 
 
 def test_every_alert_fires_in_some_test():
@@ -174,8 +198,13 @@ def test_dashboard_structure():
     assert variables["datasource"]["query"] == "prometheus"
     instance = variables["instance"]
     assert instance["type"] == "query"
-    assert "label_values(gpufleet_health_ok, instance)" in json.dumps(instance["query"])
+    assert 'label_values(gpufleet_health_ok{deployment=~\\"$deployment\\"}, instance)' in \
+        json.dumps(instance["query"])
     assert instance["datasource"]["uid"] == "${datasource}"
+    deployment = variables["deployment"]
+    # every deployment, and series without the label (a node_exporter scraped on its own)
+    assert deployment["includeAll"] and deployment["allValue"] == ".*"
+    assert list(variables) == ["datasource", "deployment", "instance"]
     ids = [panel["id"] for panel in dashboard_panels()]
     assert len(ids) == len(set(ids)), "panel ids are not unique"
     rows = [panel["title"] for panel in dashboard_panels() if panel["type"] == "row"]
@@ -193,6 +222,11 @@ def test_dashboard_structure():
             assert target.get("expr", "").strip(), f"{where}: a target without expr"
             assert target["datasource"]["uid"] == "${datasource}", where
             assert 'instance=~"$instance"' in target["expr"], f"{where}: not filtered by $instance"
+            names = promql_metrics(target["expr"])
+            serving = ("vllm:", "sglang:", "dynamo_", "gpufleet_gateway")
+            if any(n.startswith(serving) for n in names):
+                assert 'deployment=~"$deployment"' in target["expr"], \
+                    f"{where}: a serving panel not filtered by $deployment"
 
 
 def used_metrics():
@@ -214,11 +248,43 @@ def used_metrics():
     return used
 
 
-def test_rules_and_dashboard_use_only_metrics_the_checker_writes():
+def standin_metrics() -> dict[str, set[str]]:
+    """{engine: names} the lab's stand-ins emit (as exposed: counters with _total)."""
+    data = json.loads(STANDIN_METRICS.read_text())
+    return {engine: {m["name"] for m in data["engines"][engine]["metrics"]}
+            for engine in ("vllm", "sglang")}
+
+
+def exposed(name: str) -> str:
+    """A histogram's family name for one of its series' names."""
+    return re.sub(r"_(bucket|sum|count)$", "", name)
+
+
+def dcgm_standin_names() -> set[str]:
+    return set(re.findall(r"\bDCGM_FI_[A-Z_]+\b", DCGM_STANDIN.read_text()))
+
+
+def test_rules_and_dashboard_use_only_metrics_that_exist():
     used = used_metrics()
-    unknown = {name: where for name, where in used.items() if name not in METRICS | STANDARD}
-    assert not unknown, f"metrics the checker does not write: {unknown}"
-    assert {"gpufleet_health_ok", "gpufleet_gpu_xid_fatal", "gpufleet_ib_port_up"} <= set(used)
+    engines = standin_metrics()
+    known = METRICS | STANDARD | DYNAMO | engines["vllm"] | engines["sglang"] | \
+        dcgm_standin_names()
+    unknown = {name: where for name, where in used.items() if exposed(name) not in known}
+    assert not unknown, f"metrics nobody writes: {unknown}"
+    assert {"gpufleet_health_ok", "gpufleet_gpu_xid_fatal", "gpufleet_ib_port_up",
+            "vllm:time_to_first_token_seconds_bucket", "sglang:num_queue_reqs",
+            "DCGM_FI_DEV_GPU_UTIL", "gpufleet_gateway_responses_total"} <= set(used)
+
+
+def test_the_docs_say_where_each_metric_was_read():
+    """docs/monitoring.md's table names every metric the dashboard and the rules use that
+    the checker does not write, each with where it was read."""
+    table = DOC.read_text().split("## Where each metric comes from", 1)[1].split("\n## ", 1)[0]
+    rows = {m.group(1): m.group(2) for m in re.finditer(
+        r"^\| `([^`]+)` \|[^|]*\| (.+) \|$", table, re.MULTILINE)}
+    for name in {exposed(n) for n in used_metrics()} - METRICS - {"up", "node_exporter_build_info"}:
+        assert name in rows, f"{name}: not in docs/monitoring.md's table of sources"
+        assert rows[name].strip(), name
 
 
 def checker_metric_literals(path=CHECKER):
@@ -234,7 +300,8 @@ def test_checker_writes_every_metric_the_rules_use():
     """The list above against the checker itself: every metric in it, and every gpufleet
     metric the rules and the dashboard use, is a string literal in healthcheck.py."""
     used = used_metrics()
-    wanted = METRICS | {name for name in used if name.startswith("gpufleet_")}
+    wanted = METRICS | {name for name in used
+                        if name.startswith("gpufleet_") and name not in STANDARD}
     missing = sorted(wanted - checker_metric_literals())
     where = {name: ", ".join(sorted(set(used.get(name, ["the list above"])))) for name in missing}
     assert not missing, "metrics that healthcheck.py does not write: " + "; ".join(

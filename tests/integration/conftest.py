@@ -21,10 +21,11 @@ from gpufleet_lab import hosts as lab_hosts
 # reads a first deploy's output), the next ones' deploys are re-runs that change nothing.
 # Then the modules that deploy other targets, rebuild the lab with faults or take it down.
 # Modules not named run last, in name order.
-ORDER = ("test_a_fresh_machine", "test_security", "test_bad_inputs", "test_drift",
-         "test_dry_parse_lab", "test_faults_serving", "test_acceptance", "test_deploy",
-         "test_scale_out", "test_cache_lab", "test_firewall", "test_faults_deploy", "test_prepare",
-         "test_prepare_faults", "test_prepare_profiles", "test_lab_hosts", "test_image_runtime")
+ORDER = ("test_a_fresh_machine", "test_security", "test_monitoring_lab", "test_bad_inputs",
+         "test_drift", "test_dry_parse_lab", "test_faults_serving", "test_acceptance",
+         "test_deploy", "test_scale_out", "test_cache_lab", "test_firewall", "test_faults_deploy",
+         "test_prepare", "test_prepare_faults", "test_prepare_profiles", "test_lab_hosts",
+         "test_image_runtime")
 
 
 def pytest_collection_modifyitems(items):

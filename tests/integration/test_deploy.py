@@ -22,6 +22,9 @@ from labutil import BIN, ENV, ROOT, changed_tasks, fab, playbook, recap, ssh
 
 from gpufleet_lab import hosts as lab_hosts
 
+sys.path.insert(0, str(ROOT / "tests" / "unit"))
+from test_monitoring import DYNAMO  # noqa: E402 - the frontend's names the dashboard reads
+
 pytestmark = pytest.mark.lab
 
 
@@ -210,6 +213,10 @@ def test_sglang_pd_through_the_real_sglang_router(lab):
         ("gpufleet-router.service", "active"), ("gpufleet-gateway.service", "active"),
         ("gpufleet-metrics.service", "active")}  # each host's metrics listener (the lab's)
     assert "gpufleet-decode.service" in ssh("lab2", "systemctl list-units 'gpufleet-*'")
+    # the router forwards to the engines' /generate: SGLang counts those requests too
+    metrics = ssh("lab1", "curl -sf http://127.0.0.1:9464/metrics/prefill", check=True)
+    served = re.search(r"^sglang:num_requests_total\{[^}]*\} (\S+)$", metrics, re.M)
+    assert served and float(served.group(1)) > 0, metrics[-2000:]
 
 
 def test_dynamo_disaggregated_through_the_real_dynamo_frontend(lab):
@@ -224,6 +231,16 @@ def test_dynamo_disaggregated_through_the_real_dynamo_frontend(lab):
         ("gpufleet-gateway.service", "active"), ("gpufleet-metrics.service", "active")}
     # etcd came from the OS package, whose own service stays off
     assert ssh("lab1", "systemctl is-active etcd.service || true").strip() == "inactive"
+    # the real frontend's metrics, through the listener, after the smoke test's requests:
+    # every dynamo_frontend_* family the dashboard and the alerts read, with series
+    metrics = ssh("lab1", "curl -sf http://127.0.0.1:9464/metrics/router", check=True)
+    for name in sorted(DYNAMO):
+        assert re.search(rf"^{name}(_bucket)?\{{", metrics, re.M), (name, metrics[-3000:])
+    # KV moves over RDMA here: the health checker's HCA metrics, which the dashboard's
+    # InfiniBand row and the port alerts read, come through the listener too
+    health = ssh("lab1", "curl -sf http://127.0.0.1:9464/metrics/health", check=True)
+    for name in ("gpufleet_ib_port_up", "gpufleet_ib_port_rate_gbps", "gpufleet_ib_port_errors"):
+        assert re.search(rf"^{name}\{{", health, re.M), (name, health[-3000:])
 
 
 def test_fab_reads_what_the_plays_publish_not_their_task_names(lab, tmp_path):

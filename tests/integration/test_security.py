@@ -155,7 +155,9 @@ def test_the_metrics_listener_serves_only_the_addresses_it_lists(deployed):
     """gpufleet_metrics_allow (the lab's: the controller) gets each process's metrics; a host
     it does not list (lab2) gets 403 for every path."""
     monitoring = json.loads(fab("monitoring", "--format", "json").stdout)
-    assert {g["labels"]["process"] for g in monitoring} == {"prefill", "decode", "router"}
+    # the processes, the health checker's file and the site's dcgm-exporter (the lab's)
+    assert {g["labels"]["process"] for g in monitoring} == {
+        "prefill", "decode", "router", "health", "dcgm-exporter"}
     for group in monitoring:
         url = f"http://{group['targets'][0]}{group['labels']['__metrics_path__']}"
         with urllib.request.urlopen(url, timeout=10) as resp:

@@ -292,7 +292,10 @@ def clear_kernel_messages(host: str) -> None:
     """Remove the kernel messages kernel_message put into a host's journal, as a reboot
     leaves a fresh kernel log: a later deploy whose checker starts without a journal cursor
     (after a teardown) reads this boot's kernel log from its start and would find them."""
-    done = subprocess.run(ssh_cmd(host, "rm -f /var/log/journal/*/lab-kernel-*.journal"),
+    # A `journalctl -f` that followed a removed file sees nothing after it (a real journal
+    # only rotates and vacuums old files): the health checker's watcher starts again.
+    done = subprocess.run(ssh_cmd(host, "rm -f /var/log/journal/*/lab-kernel-*.journal && "
+                                  "systemctl try-restart gpufleet-health-watch.service"),
                           capture_output=True, text=True, timeout=30)
     if done.returncode != 0:
         raise LabError(f"{host}: cannot remove its lab kernel messages: {done.stderr.strip()}")

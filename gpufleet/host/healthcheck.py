@@ -763,6 +763,18 @@ def boot_id():
         return ""
 
 
+def journal_entry(text):
+    """One line of `journalctl -o json`: (the entry, its MESSAGE as text); ValueError for
+    a line that is not a journal entry."""
+    entry = json.loads(text)
+    if not isinstance(entry, dict):
+        raise ValueError("not an object")
+    line = entry.get("MESSAGE") or ""
+    if isinstance(line, list):  # journald's form of a message that is not UTF-8
+        line = bytes(x & 0xFF for x in line if isinstance(x, int)).decode("utf-8", "replace")
+    return entry, line if isinstance(line, str) else ""
+
+
 def check_xid(cfg, state, gpus=()):
     """Xid events read from the kernel log exactly once (a journal cursor kept in the state
     file). A fatal one stays red until the host reboots (a new boot id) or the operator
@@ -797,16 +809,11 @@ def check_xid(cfg, state, gpus=()):
     unreadable = []  # output this check cannot read fails it: an Xid may hide there
     for text in out.splitlines():
         try:
-            entry = json.loads(text)
-            if not isinstance(entry, dict):
-                raise ValueError("not an object")
+            entry, line = journal_entry(text)
         except ValueError:
             unreadable.append(text)
             continue
         state["journal_cursor"] = entry.get("__CURSOR") or state.get("journal_cursor")
-        line = entry.get("MESSAGE") or ""
-        if isinstance(line, list):  # journald's form of a message that is not UTF-8
-            line = bytes(line).decode("utf-8", "replace")
         match = XID_RE.search(line)
         if not match:
             continue
@@ -1175,21 +1182,14 @@ def check_gateway(cfg, state):
                 if not text.endswith("\n") and stopped:  # cut off by the kill
                     break
                 try:
-                    entry = json.loads(text)
-                    if not isinstance(entry, dict):
-                        raise ValueError("not an object")
+                    entry, line = journal_entry(text)
                 except ValueError:
                     unreadable += 1
                     first = first or text.strip()
                     continue
                 gateway["journal_cursor"] = entry.get("__CURSOR") or gateway.get(
                     "journal_cursor")
-                line = entry.get("MESSAGE") or ""
-                if isinstance(line, list):  # journald's form of a message that is not UTF-8
-                    line = bytes(x & 0xFF for x in line if isinstance(x, int)).decode(
-                        "utf-8", "replace")
-                match = GATEWAY_LINE_RE.fullmatch(line.strip()) if isinstance(line, str) \
-                    else None
+                match = GATEWAY_LINE_RE.fullmatch(line.strip())
                 if match:
                     code = match.group(1)
                     responses[code] = responses.get(code, 0) + 1

@@ -98,7 +98,7 @@ def main(argv=None):
             cursor = json.load(handle).get("gpu", {}).get("journal_cursor")
         tools["journalctl -k (after cursor)"] = [
             "journalctl", "-k", "-o", "json", "--output-fields=MESSAGE", "--no-pager", "-q"] + (
-            ["--after-cursor=" + cursor] if cursor else [])
+            ["--cursor=" + cursor] if cursor else [])
     for name, argv_ in tools.items():
         got = [measure(argv_) for _ in range(args.rounds)]
         tools[name] = {"cpu_ms": summary([c * 1000 for _, c, _ in got]),

@@ -775,6 +775,16 @@ def journal_entry(text):
     return entry, line if isinstance(line, str) else ""
 
 
+def journal_from(cursor):
+    """journalctl's argument to read on from a kept cursor: --cursor, and the reader drops
+    the entry whose __CURSOR is the cursor (read the last time). Not --after-cursor:
+    journalctl (systemd 252) skips one entry past the cursor's position even where that
+    entry is gone (its journal file vacuumed or removed), so the first entry after it went
+    unseen. --cursor starts at the cursor's entry where it exists, else at the first one
+    after its position."""
+    return "--cursor=" + cursor
+
+
 def check_xid(cfg, state, gpus=()):
     """Xid events read from the kernel log exactly once (a journal cursor kept in the state
     file). A fatal one stays red until the host reboots (a new boot id) or the operator
@@ -798,8 +808,9 @@ def check_xid(cfg, state, gpus=()):
     # -k: this boot's kernel messages; JSON carries each entry's cursor (--show-cursor
     # exits 1 when nothing is new, as in a container whose journal has no kernel message)
     argv = ["journalctl", "-k", "-o", "json", "--output-fields=MESSAGE", "--no-pager", "-q"]
-    if state.get("journal_cursor"):
-        argv.append("--after-cursor=" + state["journal_cursor"])
+    cursor = state.get("journal_cursor")
+    if cursor:
+        argv.append(journal_from(cursor))
     # filtered here rather than with -g: journalctl may be built without pattern support
     rc, out, err = run(argv, 20)
     if rc != 0:  # the checker's tool failed: its own alert (error), never a drain
@@ -812,6 +823,8 @@ def check_xid(cfg, state, gpus=()):
             entry, line = journal_entry(text)
         except ValueError:
             unreadable.append(text)
+            continue
+        if cursor and entry.get("__CURSOR") == cursor:  # read the last time
             continue
         state["journal_cursor"] = entry.get("__CURSOR") or state.get("journal_cursor")
         match = XID_RE.search(line)
@@ -1160,9 +1173,9 @@ def check_gateway(cfg, state):
     if shutil.which("journalctl") is None:
         return result("gateway_log", "", ERROR, "journalctl not found: the gateway's access "
                       f"log ({tag}) cannot be read", started), gateway
+    cursor = gateway.get("journal_cursor")
     argv = ["journalctl", "-t", tag, "-o", "json", "--output-fields=MESSAGE", "--no-pager",
-            "-q", "--after-cursor=" + gateway["journal_cursor"]
-            if gateway.get("journal_cursor") else "-b"]
+            "-q", journal_from(cursor) if cursor else "-b"]
     new, unparsed, unreadable, first = {}, 0, 0, ""
     stopped = []
 
@@ -1186,6 +1199,8 @@ def check_gateway(cfg, state):
                 except ValueError:
                     unreadable += 1
                     first = first or text.strip()
+                    continue
+                if cursor and entry.get("__CURSOR") == cursor:  # read the last time
                     continue
                 gateway["journal_cursor"] = entry.get("__CURSOR") or gateway.get(
                     "journal_cursor")

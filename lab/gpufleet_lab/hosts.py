@@ -288,21 +288,13 @@ def kernel_message(host: str, message: str) -> None:
         raise LabError(f"{host}: cannot write {name}: {put.stderr.decode().strip()}")
 
 
-FORGET_KERNEL_CURSOR = (
-    "S=/var/lib/gpufleet/health-state.json; if [ -f $S ]; then flock $S.lock python3 -c "
-    "\"import json,sys; s=json.load(open(sys.argv[1])); s.get('gpu',{}).pop('journal_cursor',"
-    "None); json.dump(s,open(sys.argv[1],'w'))\" $S; fi")
-
-
 def clear_kernel_messages(host: str) -> None:
     """Remove the kernel messages kernel_message put into a host's journal, as a reboot
     leaves a fresh kernel log: a later deploy whose checker starts without a journal cursor
     (after a teardown) reads this boot's kernel log from its start and would find them."""
-    # As after a reboot, the health checker reads the kernel log from its start again: its
-    # journal cursor named an entry of a removed file, and journalctl --after-cursor gives
-    # nothing after such a cursor (under the checker's lock, so no run writes it back).
-    done = subprocess.run(ssh_cmd(host, "rm -f /var/log/journal/*/lab-kernel-*.journal && "
-                                  f"{FORGET_KERNEL_CURSOR}"),
+    # The health checker's journal cursor may name an entry of a removed file: it reads on
+    # from the first entry after that entry's place (healthcheck.journal_from).
+    done = subprocess.run(ssh_cmd(host, "rm -f /var/log/journal/*/lab-kernel-*.journal"),
                           capture_output=True, text=True, timeout=30)
     if done.returncode != 0:
         raise LabError(f"{host}: cannot remove its lab kernel messages: {done.stderr.strip()}")

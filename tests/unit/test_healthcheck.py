@@ -117,8 +117,12 @@ FAKE_JOURNALCTL = r'''
 import json, os, sys, time
 with open(os.environ["FAKE_KERNEL_LOG_ARGV"], "a") as f:
     f.write(" ".join(sys.argv[1:]) + "\n")
-after = [a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--after-cursor=")]
-start = int(after[0].split("line=")[1]) if after else 0
+# --cursor starts at the cursor's entry; a cursor "s=gone;line=N" names one whose journal
+# file was removed: its reading starts at the entry after it (as systemd's does)
+assert not [a for a in sys.argv if a.startswith("--after-cursor")], sys.argv
+after = [a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--cursor=")]
+start = int(after[0].split("line=")[1]) - (0 if after[0].startswith("s=gone;") else 1) \
+    if after else 0
 if "-t" in sys.argv:  # a syslog identifier's entries: the cursor's, else this boot's (-b)
     assert "-k" not in sys.argv and "json" in sys.argv, sys.argv
     assert ("-b" in sys.argv) != bool(after), sys.argv
@@ -1173,8 +1177,7 @@ def test_fatal_xid_is_read_once_and_stays_red_until_reset_or_reboot(host, engine
     assert value(m, "gpufleet_gpu_xid_events_total", pci="0000:00:07", xid=13) == 1
     assert value(m, "gpufleet_gpu_xid_events_total", pci="0000:00:07", xid=79) == 1
     argv = (host.root / "journalctl.argv").read_text().splitlines()
-    assert "--after-cursor" not in argv[0] and all("--after-cursor=s=fake;line=" in a
-                                                   for a in argv[1:])
+    assert "--cursor" not in argv[0] and all("--cursor=s=fake;line=" in a for a in argv[1:])
     # fab health (--no-restart) sees it too, and moves nothing
     assert host.run("--no-restart").returncode == 1
     # the operator resets the GPU and clears it
@@ -1254,6 +1257,29 @@ def test_an_old_state_files_xid_counts_start_over_per_gpu(host, engine):
     assert json.loads(host.state.read_text())["gpu"]["xid_counts"] == {"0000:00:07": {"31": 1}}
 
 
+def test_a_cursor_whose_entry_is_gone_misses_no_later_entry(host, engine):
+    """The journal file holding the kept cursor's entry was removed (vacuumed, or by hand):
+    the next Xid and gateway line after it are still read, each once (journalctl
+    --after-cursor skipped the first entry past a cursor whose entry is gone)."""
+    host.journal("NVRM: Xid (PCI:0000:00:07): 13, pid=1234, Graphics Exception\n")
+    host.gateway_log('10.0.0.1 "GET /health HTTP/1.1" 200 2 0.000\n')
+    host.write_config(engine, gateway=GATEWAY)
+    assert host.run().returncode == 0
+    state = json.loads(host.state.read_text())
+    assert state["gpu"]["journal_cursor"] == state["gateway"]["journal_cursor"] == "s=fake;line=1"
+    # the fake's "s=gone" cursor names an entry no file holds any more, at the same place
+    state["gpu"]["journal_cursor"] = state["gateway"]["journal_cursor"] = "s=gone;line=1"
+    host.state.write_text(json.dumps(state))
+    host.journal("NVRM: Xid (PCI:0000:00:07): 79, pid=0, GPU has fallen off the bus.\n")
+    host.gateway_log('10.0.0.1 "POST /v1/completions HTTP/1.1" 503 0 0.1\n')
+    assert host.run().returncode == 1
+    assert xid_events(host) == {"0000:00:07 13": 1, "0000:00:07 79": 1}
+    assert responses(host) == {"200": 1, "503": 1, "unparsed": 0}
+    assert host.run().returncode == 1  # read once: the cursor names the new entries now
+    assert xid_events(host) == {"0000:00:07 13": 1, "0000:00:07 79": 1}
+    assert responses(host) == {"200": 1, "503": 1, "unparsed": 0}
+
+
 GATEWAY = {"log_tag": "gpufleet_gateway"}
 
 
@@ -1304,9 +1330,9 @@ def test_gateway_responses_are_counted_by_status_code_once_across_runs(host, eng
     assert responses(host) == {"200": 3, "400": 1, "401": 1, "404": 1, "unparsed": 1}
     calls = host.journal_argv("-t")
     assert len(calls) == 3 and all("-t gpufleet_gateway -o json" in c for c in calls)
-    assert " -b" in calls[0] and "--after-cursor" not in calls[0]
-    assert calls[1].endswith("--after-cursor=s=fake;line=3") and " -b" not in calls[1]
-    assert calls[2].endswith("--after-cursor=s=fake;line=7")
+    assert " -b" in calls[0] and "--cursor" not in calls[0]
+    assert calls[1].endswith("--cursor=s=fake;line=3") and " -b" not in calls[1]
+    assert calls[2].endswith("--cursor=s=fake;line=7")
     state = json.loads(host.state.read_text())["gateway"]
     assert state == {"journal_cursor": "s=fake;line=7", "unparsed": 1,
                      "responses": {"200": 3, "400": 1, "401": 1, "404": 1}}

@@ -113,7 +113,9 @@ def weights_fit(plan: Plan, catalog) -> list[Problem]:
         if p.role in seen:
             continue
         seen.add(p.role)
-        nodes = len([q for q in plan.processes if q.role == p.role])
+        # the nodes of one engine (its ranks): a pool's workers and replicas are each one
+        # engine of their own, and must each hold the weights
+        nodes = len({q.node_rank for q in plan.processes if q.role == p.role})
         gpus = len(p.gpus) * nodes
         try:
             fraction = float(p.args.get("--gpu-memory-utilization")

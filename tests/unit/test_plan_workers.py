@@ -361,3 +361,15 @@ def test_more_hosts_than_the_layout_takes_are_refused_with_the_workers_line(
     """What a user with two decode hosts meant: one worker on each behind the router."""
     with pytest.raises(PlanError, match=re.escape(line)):
         make_plan(target, inv_mod.placeholder(groups))
+
+
+def test_each_worker_of_a_pool_must_hold_the_weights_itself():
+    """Four TP2 decode workers are four engines of 2 GPUs each, not one of 8: on H200s
+    GLM-5.3-Flash's weights do not fit in 2 GPUs, however many workers there are."""
+    with pytest.raises(PlanError) as err:
+        make_plan("h200-pd-1node", hosts(workers=2),
+                  {"workers": {"prefill": 2, "decode": 4},
+                   "gpus": {"prefill": [0, 1], "decode": [2, 3]},
+                   "args": {"engines": {"--tensor-parallel-size": 2}}})
+    assert "decode.memory: zai-org/GLM-5.3-Flash needs" in str(err.value)
+    assert "the decode engine has 2 x " in str(err.value)

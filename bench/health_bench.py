@@ -29,6 +29,9 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHECKER = os.path.join(REPO, "gpufleet", "host", "healthcheck.py")
+sys.path.insert(0, os.path.dirname(CHECKER))
+from healthcheck import journal_from  # noqa: E402  (the checker's own way to read on)
+
 TOOLS = {
     "nvidia-smi -q -x": ["nvidia-smi", "-q", "-x"],
     "nvidia-smi nvlink -s": ["nvidia-smi", "nvlink", "-s"],
@@ -96,9 +99,9 @@ def main(argv=None):
     if shutil.which("journalctl"):  # what the Xid check runs, after the cursor it keeps
         with open(cfg["state_file"], encoding="utf-8") as handle:
             cursor = json.load(handle).get("gpu", {}).get("journal_cursor")
-        tools["journalctl -k (after cursor)"] = [
+        tools["journalctl -k (from cursor)"] = [
             "journalctl", "-k", "-o", "json", "--output-fields=MESSAGE", "--no-pager", "-q"] + (
-            ["--cursor=" + cursor] if cursor else [])
+            [journal_from(cursor)] if cursor else [])
     for name, argv_ in tools.items():
         got = [measure(argv_) for _ in range(args.rounds)]
         tools[name] = {"cpu_ms": summary([c * 1000 for _, c, _ in got]),

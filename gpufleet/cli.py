@@ -38,6 +38,7 @@ INVENTORY_OVERRIDES = {
     "gpufleet_dcgm_exporter_port": "dcgm_exporter_port",
     "gpufleet_replicas": "replicas",
     "gpufleet_workers": "workers",
+    "gpufleet_max_unavailable": "max_unavailable",
     "gpufleet_runtime": "runtime",
     "gpufleet_images": "images",
     "gpufleet_registry_mirror": "registry_mirror",

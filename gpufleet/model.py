@@ -13,6 +13,7 @@ fails when a role reads a key these do not produce.
 from __future__ import annotations
 
 import copy
+import re
 import shlex
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
@@ -105,6 +106,9 @@ class Overrides(BaseModel):
     # engine role -> how many workers of it run behind the target's one router (default 1
     # each): N prefill and M decode, or N workers, across the hosts of their groups
     workers: dict[str, int] = Field(default_factory=dict)
+    # how many workers of a pool a rolling restart takes out at once (plan._roll_batches):
+    # a count or "N%" of the pool, for every pool or per role ({decode: 2, prefill: "25%"})
+    max_unavailable: int | str | dict[str, int | str] = 1
     # the engine runtime (None: the hosts' vendor decides, catalog `runtimes`), the image
     # each engine runs from instead of the catalog's (engine -> reference), and a registry
     # that serves every image in place of its own (an air-gapped site's mirror)
@@ -178,6 +182,20 @@ class Overrides(BaseModel):
         return value if value is None else _named(
             inputs.port, value, "gpufleet_dcgm_exporter_port",
             "give the port your dcgm-exporter listens on (its default: 9400), or leave it out")
+
+    @field_validator("max_unavailable", mode="before")
+    @classmethod
+    def _max_unavailable(cls, value):
+        fix = ('give a count of workers (e.g. 2) or a share of the pool (e.g. "25%"), or per '
+               'role: {decode: 2, prefill: "25%"}')
+        for role, v in (value.items() if isinstance(value, dict) else [(None, value)]):
+            where = "gpufleet_max_unavailable" + (f".{role}" if role else "")
+            count = isinstance(v, int) and not isinstance(v, bool) and v >= 1
+            share = isinstance(v, str) and re.fullmatch(r"([1-9][0-9]?|100)%", v)
+            if not (count or share):
+                raise ValueError(f"{where} {v!r} is neither a count of at least 1 nor a "
+                                 f"share from 1% to 100%. Fix: {fix}")
+        return value
 
     @field_validator("gpus", mode="before")
     @classmethod
@@ -327,7 +345,8 @@ class Readiness:
     rank 0 that answers for it); `generate_url` takes one real generation; `rolling`: a
     deploy that changes it restarts it in turn with the others of its kind; `pool` (a
     worker of a pool its routers move), `rejoin_s` (one its router's health check takes
-    back by itself, after that many seconds) and `drop` (a router) as above."""
+    back by itself, after that many seconds) and `drop` (a router) as above; `batch`: its
+    step in a rolling restart."""
 
     url: str | None = None
     timeout_s: int = 300
@@ -338,6 +357,9 @@ class Readiness:
     ca_file: str | None = None
     process: str | None = None
     rolling: bool = False
+    # its step in a rolling restart (plan._roll_batches): the processes of one batch restart
+    # together, each batch waited for before the next; the first is the canary
+    batch: int | None = None
     rejoin_s: int | None = None
     pool: PoolMove | None = None
     drop: PoolDrop | None = None

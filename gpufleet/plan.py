@@ -320,6 +320,9 @@ def compose(
                 in_image=image is not None)
         processes += replica
         fronts.append(front)
+    problems += _roll_batches(processes, ov)
+    if problems:
+        raise PlanError(problems)
 
     plan = Plan(
         target=target, model=model, engine=engine, hardware=hardware,
@@ -727,12 +730,53 @@ def _render(processes, roles, target, model, draft, engine, catalog, cache, ov,
                                  url=_router_url(p, engine.pool_leave.path)))
 
 
+def _roll_batches(processes: list[Process], ov: Overrides) -> list[Problem]:
+    """The steps of a rolling restart (fab restart, a deploy that changes a pool's workers;
+    roles/serve roll.yml): each process's readiness.batch. Level by start level, a pool's
+    workers go gpufleet_max_unavailable at a time (batch k takes the k-th group of each of
+    the level's pools), in the pool's order, which alternates hosts, so a batch's workers
+    restart on several hosts at once; the first batch is the canary. Every other process
+    restarts alone. A pool never has all its workers out: a batch takes at least 1 and at
+    most all but one of them, whatever the count or share says (a pool scaled down keeps
+    serving through its next roll)."""
+    problems, batch = [], 0
+    for order in sorted({p.order for p in processes}):
+        level = [p for p in processes if p.order == order]
+        pools: dict[str, list[Process]] = {}
+        for p in level:
+            if p.readiness.rolling and p.is_engine:
+                pools.setdefault(p.role, []).append(p)
+        groups = []
+        for role, workers in pools.items():
+            want = ov.max_unavailable.get(role, 1) if isinstance(ov.max_unavailable, dict) \
+                else ov.max_unavailable
+            n = want if isinstance(want, int) else len(workers) * int(want[:-1]) // 100
+            n = max(1, min(n, len(workers) - 1))
+            groups.append([workers[i:i + n] for i in range(0, len(workers), n)])
+        for k in range(max(map(len, groups), default=0)):
+            for group in groups:
+                for p in group[k] if k < len(group) else []:
+                    p.readiness.batch = batch
+            batch += 1
+        for p in level:
+            if p.readiness.batch is None:
+                p.readiness.batch = batch
+                batch += 1
+    if isinstance(ov.max_unavailable, dict):
+        named = {p.role for p in processes if p.is_engine}
+        for role in sorted(set(ov.max_unavailable) - named):
+            problems.append(Problem(f"max_unavailable.{role}",
+                                    f"{role!r} is not an engine role of this target",
+                                    f"name one of {', '.join(sorted(named))}"))
+    return problems
+
+
 def _pool_move(p: Process, routers: list[Process], engine: cat.Engine) -> PoolMove:
     """How a rolling restart moves a worker out of its routers' pools and back: each
     router's call that takes it out (the worker named as in the router's flags; an {id}
     left in the url is its id in the router's GET /workers), then each router's call
     that takes it back, or, without one, every router restarted in turn, each waited for
-    before the next (restart_unit.yml)."""
+    before the next (roles/serve roll_batch.yml)."""
     url = _ns(p, routers[0]).url
     assert all(_ns(p, r).url == url for r in routers)  # the routers share a host
     kind = ROUTER_TYPES.get(p.role, p.role)

@@ -155,7 +155,7 @@ class Runtimes(_Strict):
 
 
 class PoolCall(_Strict):
-    """A call to a pool's router about one worker (restart_unit.yml). In `path`, {url} is
+    """A call to a pool's router about one worker (roles/serve roll_batch.yml). In `path`, {url} is
     the worker as the router names it (URL-quoted) and {id} its id in the router's GET
     /workers; `body` (JSON) maps keys to `url`, `role` or `port:NAME` (left out where the
     worker has no such port)."""

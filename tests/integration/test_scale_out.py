@@ -290,3 +290,79 @@ def test_a_host_that_leaves_the_group_is_retired(pool):
     again = fab("deploy", "-i", inv)
     assert again.returncode == 0, again.stdout[-3000:]
     assert recap(again.stdout).get("lab2", {}).get("ok", 0) == 0, again.stdout[-3000:]
+
+
+def stopped_and_back(host: str, unit: str) -> tuple[int, int]:
+    """When the unit last stopped and last became active (the lab's hosts share one
+    kernel, so their monotonic clocks compare)."""
+    out = ssh(host, "systemctl show -p ActiveExitTimestampMonotonic "
+                    f"-p ActiveEnterTimestampMonotonic {unit}", check=True)
+    at = dict(line.split("=", 1) for line in out.split())
+    return int(at["ActiveExitTimestampMonotonic"]), int(at["ActiveEnterTimestampMonotonic"])
+
+
+def test_a_pool_rolls_two_workers_at_a_time_under_load_and_loses_nothing(pool):
+    """gpufleet_max_unavailable {decode: 2} on one prefill and three decode workers (TP4,
+    as many as two 8-GPU hosts take): a deploy that changes the decode flag restarts them
+    in two batches, the first two workers (one per host) out of the routers' pools and
+    restarting together, the third only once both serve again; 0 failed requests under
+    load. fab restart --role decode rolls them the same way."""
+    inv, client = pool
+    hosts_yml = Path(inv) / "hosts.yml"  # both hosts (a --slow test before retires lab2)
+    hosts = yaml.safe_load(hosts_yml.read_text())
+    hosts["all"]["children"]["workers"] = {"hosts": {"lab1": {}, "lab2": {}}}
+    hosts_yml.write_text(yaml.safe_dump(hosts))
+    all_yml = Path(inv) / "group_vars" / "all.yml"
+    values = yaml.safe_load(all_yml.read_text())
+    values.pop("gpufleet_args", None)  # a --slow test before changed a flag
+    four = {**values, "gpufleet_workers": {"prefill": 1, "decode": 3},
+            "gpufleet_max_unavailable": {"decode": 2}}
+    all_yml.write_text(yaml.safe_dump(four))
+    proc = fab("deploy", "-i", inv)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    # the plan's order alternates the hosts: the first batch is one worker on each
+    batches = [[("lab1", "gpufleet-decode.service"), ("lab2", "gpufleet-decode-1.service")],
+               [("lab2", "gpufleet-decode-2.service")]]
+    decodes = [u for batch in batches for u in batch]
+
+    def rolled_in_batches(before: dict, action: str, out: str) -> None:
+        # what the run said of the units' restarts, for a failure's message
+        said = "\n".join(line for line in out.splitlines() if re.search(
+            r"Roll \||changed: |included: |decode", line))[-6000:]
+        action = f"{action}:\n{said}\n"
+        after = {h: main_pids(h) for h in ADDRESS}
+        for host, unit in decodes:
+            assert after[host][unit] != before[host][unit], f"{action}: {unit} not restarted"
+        for host, unit in (("lab1", "gpufleet-prefill.service"),
+                           ("lab1", "gpufleet-gateway.service")):
+            assert after[host][unit] == before[host][unit], f"{action}: {unit} restarted"
+        first, second = ([stopped_and_back(h, u) for h, u in batch] for batch in batches)
+        # a batch together: both stopped before either was back; the next one after
+        assert max(x for x, _ in first) < min(e for _, e in first), (action, first)
+        assert max(e for _, e in first) < min(x for x, _ in second), (action, first, second)
+
+    before = {h: main_pids(h) for h in ADDRESS}
+    changed = {**four, "gpufleet_args": {"decode": {"--max-num-seqs": 96}}}
+    all_yml.write_text(yaml.safe_dump(changed))
+    started = time.monotonic()
+    proc, results = under_load(client, lambda: fab("deploy", "-i", inv))
+    took = time.monotonic() - started
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    # the plan's batches 0 and 1; the prefill (batch 2) is not rolled
+    assert "Roll | Restart, batch 1" in proc.stdout and "batch 2" not in proc.stdout
+    rolled_in_batches(before, "deploy", proc.stdout)
+    failed = results.count(False)
+    print(f"deploy of a changed decode flag, 3 workers 2 at a time, under load: {failed} of "
+          f"{len(results)} failed, {took:.0f} s")
+    assert len(results) > 100 and failed == 0, (failed, len(results))
+
+    before = {h: main_pids(h) for h in ADDRESS}
+    started = time.monotonic()
+    proc, results = under_load(client, lambda: fab("restart", "--role", "decode", "-i", inv))
+    took = time.monotonic() - started
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    rolled_in_batches(before, "fab restart", proc.stdout)
+    failed = results.count(False)
+    print(f"fab restart --role decode, 3 workers 2 at a time, under load: {failed} of "
+          f"{len(results)} failed, {took:.0f} s")
+    assert len(results) > 100 and failed == 0, (failed, len(results))

@@ -363,6 +363,97 @@ def test_more_hosts_than_the_layout_takes_are_refused_with_the_workers_line(
         make_plan(target, inv_mod.placeholder(groups))
 
 
+def batches(plan) -> list[list[str]]:
+    """The rolling restart's steps: the names of each batch, in order."""
+    steps: dict[int, list[str]] = {}
+    for p in plan.processes:
+        steps.setdefault(ready(p)["batch"], []).append(p.name)
+    assert sorted(steps) == list(range(len(steps))), steps  # every step has a process
+    return [steps[k] for k in sorted(steps)]
+
+
+def test_a_rolling_restart_takes_one_worker_of_a_pool_at_a_time_by_default():
+    plan = make_plan("h200-pd-1node", hosts(workers=2), {"workers": {"prefill": 2, "decode": 2}})
+    # the engines level by level: the k-th worker of each pool together, then the routers
+    # alone, then the gateway (not rolled by fab restart, but a step of its own)
+    assert batches(plan) == [["prefill", "decode"], ["prefill-1", "decode-1"], ["router"],
+                             ["router-1"], ["gateway"]]
+
+
+@pytest.mark.parametrize("max_unavailable, want", [
+    (2, [["decode", "decode-1"], ["decode-2", "decode-3"]]),
+    ("50%", [["decode", "decode-1"], ["decode-2", "decode-3"]]),
+    ("60%", [["decode", "decode-1"], ["decode-2", "decode-3"]]),  # 2.4: rounded down
+    ("10%", [["decode"], ["decode-1"], ["decode-2"], ["decode-3"]]),  # at least one
+    (9, [["decode", "decode-1", "decode-2"], ["decode-3"]]),  # never the whole pool
+    ("100%", [["decode", "decode-1", "decode-2"], ["decode-3"]]),
+    ({"decode": 2}, [["decode", "decode-1"], ["decode-2", "decode-3"]]),
+    ({"prefill": 2}, [["decode"], ["decode-1"], ["decode-2"], ["decode-3"]]),
+])
+def test_max_unavailable_takes_that_many_workers_of_a_pool_at_once(max_unavailable, want):
+    # four hosts: a prefill and a decode on the first two, a decode on the others
+    plan = make_plan("h200-pd-1node", hosts(workers=4),
+                     {"workers": {"prefill": 2, "decode": 4}, "max_unavailable": max_unavailable})
+    steps = [[n for n in step if n.startswith("decode")] for step in batches(plan)]
+    assert [s for s in steps if s] == want
+    # a batch's workers run on different hosts (the pool's order goes host by host)
+    by_name = {p.name: p.host for p in plan.processes}
+    for step in want:
+        assert len({by_name[n] for n in step}) == len(step), step
+
+
+@pytest.mark.parametrize("value, says", [
+    (0, "gpufleet_max_unavailable: 0 is neither a count of at least 1"),
+    ("0%", "gpufleet_max_unavailable: '0%' is neither"),
+    ("101%", "gpufleet_max_unavailable: '101%' is neither"),
+    (True, "gpufleet_max_unavailable: True is neither"),
+    ("two", "gpufleet_max_unavailable: 'two' is neither"),
+    ({"decode": -1}, "gpufleet_max_unavailable.decode: -1 is neither"),
+])
+def test_a_bad_max_unavailable_is_refused_naming_the_fix(value, says):
+    with pytest.raises(PlanError) as err:
+        make_plan("h200-pd-1node", hosts(workers=2),
+                  {"workers": {"prefill": 2, "decode": 2}, "max_unavailable": value})
+    assert says in str(err.value) and 'Fix: give a count of workers (e.g. 2)' in str(err.value)
+
+
+def test_max_unavailable_naming_a_role_the_target_lacks_is_refused():
+    with pytest.raises(PlanError) as err:
+        make_plan("h200-pd-1node", hosts(workers=2),
+                  {"workers": {"prefill": 2, "decode": 2}, "max_unavailable": {"worker": 2}})
+    assert "max_unavailable.worker: 'worker' is not an engine role of this target. Fix: " \
+           "name one of decode, prefill" in str(err.value)
+
+
+def test_a_target_without_a_pool_restarts_one_process_at_a_time():
+    plan = make_plan("h200-pd-1node", hosts(workers=1), {"max_unavailable": 4})
+    assert [len(step) for step in batches(plan)] == [1] * len(plan.processes)
+
+
+def test_the_roll_steps_are_the_batches_of_the_units_to_restart():
+    """roles/serve roll.yml's steps (the gpufleet_roll_steps filter) from each host's
+    units: only batches that have one, in order, the first the canary; vllm-router's two
+    routers restarted once per batch (by the batch's first host), never listed twice."""
+    from gpufleet.ansible_plugins.filter.gpufleet import roll_steps
+    from gpufleet.model import host_slices
+
+    plan = make_plan("h200-pd-1node", hosts(workers=2), {"workers": {"prefill": 2, "decode": 2}})
+    slices = host_slices(plan.to_json())
+    hostvars = {h: {"gpufleet_host": s} for h, s in slices.items()}
+    hostvars["workers-1"]["__roll_units"] = ["gpufleet-decode.service"]
+    hostvars["workers-2"]["__roll_units"] = ["gpufleet-decode-1.service"]
+    steps = roll_steps(hostvars, list(hostvars))
+    assert [(s["batch"], s["canary"], s["leader"], s["units"]) for s in steps] == [
+        (0, True, "workers-1", ["workers-1:gpufleet-decode.service"]),
+        (1, False, "workers-2", ["workers-2:gpufleet-decode-1.service"])]
+    assert [[r["unit"] for r in s["routers"]] for s in steps] == \
+        [["gpufleet-router.service", "gpufleet-router-1.service"]] * 2
+    # nothing to restart: no step; a host that is not asked restarts nothing
+    hostvars["workers-2"]["__roll_units"] = []
+    del hostvars["workers-1"]["__roll_units"]
+    assert roll_steps(hostvars, list(hostvars)) == []
+
+
 def test_each_worker_of_a_pool_must_hold_the_weights_itself():
     """Four TP2 decode workers are four engines of 2 GPUs each, not one of 8: on H200s
     GLM-5.3-Flash's weights do not fit in 2 GPUs, however many workers there are."""

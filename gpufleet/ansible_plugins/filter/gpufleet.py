@@ -108,6 +108,30 @@ def checkpoint_commits(hostvars, hosts: list, check_mode: bool = False) -> dict:
     return {"commits": commits, "problems": problems, "notes": notes}
 
 
+def roll_steps(hostvars, hosts: list) -> list[dict]:
+    """A rolling restart's steps (roles/serve roll.yml), from each host's units to restart
+    (`__roll_units`) and their plan batches (plan._roll_batches): one per batch that has
+    any, in order, each {batch, canary (the first), units (every host's), leader (the
+    host that restarts the routers), routers: the routers restarted in turn once the
+    batch serves, for its workers whose routers take them back only so}."""
+    steps: dict[int, dict] = {}
+    for host in hosts:
+        want = set(hostvars[host].get("__roll_units") or [])
+        for p in hostvars[host]["gpufleet_host"]["processes"]:
+            if p["unit"] not in want:
+                continue
+            step = steps.setdefault(p["readiness"]["batch"], {"units": [], "routers": {}})
+            step.setdefault("leader", host)
+            step["units"].append(f"{host}:{p['unit']}")
+            pool = p["readiness"].get("pool") or {}
+            if pool and "rejoin" not in pool:
+                for router in pool["routers"]:
+                    step["routers"].setdefault(router["unit"], router)
+    return [{"batch": batch, "canary": n == 0, "leader": step["leader"],
+             "units": step["units"], "routers": list(step["routers"].values())}
+            for n, (batch, step) in enumerate(sorted(steps.items()))]
+
+
 class FilterModule:
     def filters(self):
         return {
@@ -117,6 +141,7 @@ class FilterModule:
             "gpufleet_host_slices": host_slices,
             "gpufleet_pin_revisions": pin_revisions,
             "gpufleet_checkpoint_commits": checkpoint_commits,
+            "gpufleet_roll_steps": roll_steps,
             "gpufleet_ref_path": ref_path,
             "gpufleet_acceptance_spec": host_spec,
             "gpufleet_unsteady": unsteady,

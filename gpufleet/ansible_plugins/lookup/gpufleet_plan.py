@@ -90,6 +90,12 @@ description:
     target's one router (for example C({prefill: 2, decode: 2}) or C({worker: 4})). It has
     no command-line option.
   - >-
+    C(gpufleet_max_unavailable) is how many workers of a pool a rolling restart (fab
+    restart, a deploy that changes them) takes out at once: a count, a share of the pool
+    (C("25%")), or either per role (C({decode: 2, prefill: "25%"})). Default 1. A batch
+    takes at least one worker and never the whole pool; the first batch is the canary. It
+    has no command-line option.
+  - >-
     C(gpufleet_runtime) is the engine runtime, C(venv) or C(image) (default venv on NVIDIA
     hosts and image on AMD hosts). fab's equivalent is C(--runtime image).
   - >-

@@ -21,7 +21,6 @@ import os
 import re
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -29,40 +28,7 @@ import yaml
 from openai import OpenAI
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from scale_out import FAB, ROOT, endpoint, model  # noqa: E402
-
-
-def restart_under_load(client: OpenAI, name: str, argv: list[str],
-                       concurrency: int) -> tuple[subprocess.CompletedProcess, float, list]:
-    results: list[bool] = []
-    stop = threading.Event()
-
-    def load(k: int) -> None:
-        i = 0
-        while not stop.is_set():
-            try:
-                client.chat.completions.create(
-                    model=name, max_tokens=8,
-                    messages=[{"role": "user", "content": f"client {k} request {i}"}])
-                results.append(True)
-            except Exception:  # any error is a failed request
-                results.append(False)
-            i += 1
-
-    threads = [threading.Thread(target=load, args=(k,)) for k in range(concurrency)]
-    for t in threads:
-        t.start()
-    try:
-        time.sleep(3)
-        started = time.monotonic()
-        done = subprocess.run([FAB, *argv], cwd=ROOT, capture_output=True, text=True)
-        took = time.monotonic() - started
-        time.sleep(3)
-    finally:
-        stop.set()
-        for t in threads:
-            t.join()
-    return done, took, results
+from scale_out import FAB, ROOT, endpoint, model, under_load  # noqa: E402
 
 
 def main() -> int:
@@ -80,21 +46,29 @@ def main() -> int:
     client = OpenAI(base_url=env["OPENAI_BASE_URL"], api_key=env["OPENAI_API_KEY"],
                     max_retries=0, timeout=60)
     runs = []
+    run: dict = {}  # the last restart's process and wall seconds
+
+    def restart() -> None:
+        started = time.monotonic()
+        run["done"] = subprocess.run([FAB, "restart", "--role", args.role, "-i", args.inventory],
+                                     cwd=ROOT, capture_output=True, text=True)
+        run["took"] = time.monotonic() - started
+
     try:
         for size in args.sizes.split(","):
             size = int(size) if size.isdigit() else size
             all_yml.write_text(yaml.safe_dump(
                 {**values, "gpufleet_max_unavailable": {args.role: size}}))
-            done, took, results = restart_under_load(
-                client, name, ["restart", "--role", args.role, "-i", args.inventory],
-                args.concurrency)
+            results, _, _ = under_load(client, name, args.concurrency, restart, lead=3, tail=3)
+            done, took = run["done"], run["took"]
+            failed = sum(1 for _, error in results if error)
             if done.returncode:
                 print(done.stdout[-3000:], done.stderr[-2000:], file=sys.stderr)
             batches = sorted({int(b) for b in re.findall(r"Roll \| Restart, batch (\d+)",
                                                           done.stdout)})
             runs.append({"max_unavailable": size, "rc": done.returncode,
                          "batches": len(batches), "wall_s": round(took, 1),
-                         "requests": len(results), "failed": results.count(False)})
+                         "requests": len(results), "failed": failed})
             print(json.dumps(runs[-1]), file=sys.stderr)
     finally:
         all_yml.write_text(original)

@@ -58,25 +58,16 @@ def ssh(host: str, command: str) -> str:
                           timeout=120).stdout
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("-i", "--inventory", required=True)
-    p.add_argument("--concurrency", type=int, default=4)
-    p.add_argument("--seconds", type=float, default=40)
-    event = p.add_mutually_exclusive_group()
-    event.add_argument("--restart-role")
-    event.add_argument("--lose-host")
-    event.add_argument("--deploy", metavar="INVENTORY",
-                       help="fab deploy of this inventory: the same deployment with a change")
-    args = p.parse_args()
-
-    env, name = endpoint(args.inventory), model(args.inventory)
-    client = OpenAI(base_url=env["OPENAI_BASE_URL"], api_key=env["OPENAI_API_KEY"],
-                    max_retries=0, timeout=60)
-    results: list[tuple[float, str]] = []  # (seconds since the start, "" or the error)
+def under_load(client: OpenAI, name: str, concurrency: int, event, seconds: float = 0,
+               lead: float = 5, tail: float = 5) -> tuple[list[tuple[float, str]], float, float]:
+    """Steady load while event() runs: CONCURRENCY clients, each sending one chat request
+    after the other (8 tokens, no retries); event() after LEAD seconds of it, the load on
+    for SECONDS in all and at least TAIL seconds past the event's end. Returns each
+    request's (seconds since the start, "" or its error), the event's start and the load's
+    seconds."""
+    results: list[tuple[float, str]] = []
     lock, start = threading.Lock(), time.monotonic()
     stop = threading.Event()
-    wall = time.time()  # the wall clock at `start`
 
     def load(k: int) -> None:
         i = 0
@@ -95,34 +86,60 @@ def main() -> int:
                 results.append((time.monotonic() - start, error))
             i += 1
 
-    threads = [threading.Thread(target=load, args=(k,)) for k in range(args.concurrency)]
+    threads = [threading.Thread(target=load, args=(k,)) for k in range(concurrency)]
     for t in threads:
         t.start()
-    time.sleep(5)
-    at = time.monotonic() - start
-    if args.restart_role or args.deploy:
-        argv = ["restart", "--role", args.restart_role, "-i", args.inventory] \
-            if args.restart_role else ["deploy", "-i", args.deploy]
-        done = subprocess.run([FAB, *argv], cwd=ROOT, capture_output=True, text=True)
-        if done.returncode:
-            print(done.stdout[-2000:], done.stderr[-2000:], file=sys.stderr)
-        what = f"fab {' '.join(argv[:-2])} (rc {done.returncode}, " \
-               f"{time.monotonic() - start - at:.1f} s)"
-    elif args.lose_host:
-        units = " ".join(ssh(args.lose_host, "systemctl list-units --plain --no-legend "
-                             "'gpufleet-prefill*.service' 'gpufleet-decode*.service' "
-                             "'gpufleet-worker*.service'"
-                             " | cut -d' ' -f1").split())
-        ssh(args.lose_host, f"systemctl kill --signal=KILL {units}; systemctl stop {units}")
-        what = f"every engine unit of {args.lose_host} killed (SIGKILL)"
-    else:
-        what = "none (steady load)"
-    # the load goes on for SECONDS, and at least 5 s past the end of a restart or deploy
-    time.sleep(max(args.seconds - (time.monotonic() - start), 5))
-    stop.set()
-    for t in threads:
-        t.join()
-    seconds = time.monotonic() - start
+    try:
+        time.sleep(lead)
+        at = time.monotonic() - start
+        event()
+        time.sleep(max(seconds - (time.monotonic() - start), tail))
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    return results, at, time.monotonic() - start
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("-i", "--inventory", required=True)
+    p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--seconds", type=float, default=40)
+    kind = p.add_mutually_exclusive_group()
+    kind.add_argument("--restart-role")
+    kind.add_argument("--lose-host")
+    kind.add_argument("--deploy", metavar="INVENTORY",
+                       help="fab deploy of this inventory: the same deployment with a change")
+    args = p.parse_args()
+
+    env, name = endpoint(args.inventory), model(args.inventory)
+    client = OpenAI(base_url=env["OPENAI_BASE_URL"], api_key=env["OPENAI_API_KEY"],
+                    max_retries=0, timeout=60)
+    what = "none (steady load)"
+    units = ""
+
+    def event() -> None:
+        nonlocal what, units
+        if args.restart_role or args.deploy:
+            argv = ["restart", "--role", args.restart_role, "-i", args.inventory] \
+                if args.restart_role else ["deploy", "-i", args.deploy]
+            started = time.monotonic()
+            done = subprocess.run([FAB, *argv], cwd=ROOT, capture_output=True, text=True)
+            if done.returncode:
+                print(done.stdout[-2000:], done.stderr[-2000:], file=sys.stderr)
+            what = f"fab {' '.join(argv[:-2])} (rc {done.returncode}, " \
+                   f"{time.monotonic() - started:.1f} s)"
+        elif args.lose_host:
+            units = " ".join(ssh(args.lose_host, "systemctl list-units --plain --no-legend "
+                                 "'gpufleet-prefill*.service' 'gpufleet-decode*.service' "
+                                 "'gpufleet-worker*.service'"
+                                 " | cut -d' ' -f1").split())
+            ssh(args.lose_host, f"systemctl kill --signal=KILL {units}; systemctl stop {units}")
+            what = f"every engine unit of {args.lose_host} killed (SIGKILL)"
+
+    wall = time.time()  # the wall clock at the load's start
+    results, at, seconds = under_load(client, name, args.concurrency, event, args.seconds)
     if args.lose_host:
         ssh(args.lose_host, f"systemctl start {units}")
     failed = [t for t, error in results if error]

@@ -294,8 +294,9 @@ def test_a_host_that_leaves_the_group_is_retired(pool):
 
 
 def unit_events(host: str, unit: str, since: float) -> list[tuple[float, str]]:
-    """systemd's stops and starts of the unit since a wall-clock time: (seconds, what), from
-    the host's journal (the lab's hosts share one clock)."""
+    """systemd's stops and starts of the unit since a wall-clock time, and the engine's own
+    line when it serves ("Application startup complete."): (seconds, what), from the host's
+    journal (the lab's hosts share one clock)."""
     out = ssh(host, f"journalctl -u {unit} --since=@{since:.0f} -o json "
                     "--output-fields=MESSAGE,_PID --no-pager -q", check=True)
     events = []
@@ -303,7 +304,8 @@ def unit_events(host: str, unit: str, since: float) -> list[tuple[float, str]]:
         entry = json.loads(line)
         message = entry.get("MESSAGE") if isinstance(entry.get("MESSAGE"), str) else ""
         if entry.get("_PID") == "1" and re.match(
-                r"(Stopping|Started|Stopped|.*Main process exited|.*Scheduled restart)", message):
+                r"(Stopping|Started|Stopped|.*Main process exited|.*Scheduled restart)", message) \
+                or "Application startup complete" in message:
             events.append((int(entry["__REALTIME_TIMESTAMP"]) / 1e6, message[:80]))
     return events
 
@@ -342,13 +344,16 @@ def test_a_pool_rolls_two_workers_at_a_time_under_load_and_loses_nothing(pool):
         told = f"{action}: " + "; ".join(f"{u}: {e}" for u, e in events.items())
         stops = {u: [t for t, m in e if m.startswith("Stopping")] for u, e in events.items()}
         starts = {u: [t for t, m in e if m.startswith("Started")] for u, e in events.items()}
+        served = {u: [t for t, m in e if "startup complete" in m] for u, e in events.items()}
         # each restarted once by the roll, and nothing else (no crash, no second restart)
-        assert all(len(stops[u]) == len(starts[u]) == 1 for _, u in decodes), told
+        assert all(len(stops[u]) == len(starts[u]) == len(served[u]) == 1
+                   for _, u in decodes), told
         assert all(after[h][u] != before[h][u] for h, u in decodes), told
         first, second = ([u for _, u in batch] for batch in batches)
-        # a batch together: all its workers stopped before any was back; the next one after
-        assert max(stops[u][0] for u in first) < min(starts[u][0] for u in first), told
-        assert max(starts[u][0] for u in first) < min(stops[u][0] for u in second), told
+        # a batch together: all its workers stopped before any served again; the next batch
+        # only once every worker of the one before serves
+        assert max(stops[u][0] for u in first) < min(served[u][0] for u in first), told
+        assert max(served[u][0] for u in first) < min(stops[u][0] for u in second), told
 
     before = {h: main_pids(h) for h in ADDRESS}
     changed = {**four, "gpufleet_args": {"decode": {"--max-num-seqs": 96}}}

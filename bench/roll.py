@@ -25,10 +25,9 @@ import time
 from pathlib import Path
 
 import yaml
-from openai import OpenAI
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from scale_out import FAB, ROOT, endpoint, model, under_load  # noqa: E402
+from scale_out import FAB, ROOT, client, under_load  # noqa: E402
 
 
 def main() -> int:
@@ -42,9 +41,7 @@ def main() -> int:
     all_yml = Path(args.inventory) / "group_vars" / "all.yml"
     original = all_yml.read_text()
     values = yaml.safe_load(original) or {}
-    env, name = endpoint(args.inventory), model(args.inventory)
-    client = OpenAI(base_url=env["OPENAI_BASE_URL"], api_key=env["OPENAI_API_KEY"],
-                    max_retries=0, timeout=60)
+    openai, name = client(args.inventory)
     runs = []
     run: dict = {}  # the last restart's process and wall seconds
 
@@ -59,7 +56,7 @@ def main() -> int:
             size = int(size) if size.isdigit() else size
             all_yml.write_text(yaml.safe_dump(
                 {**values, "gpufleet_max_unavailable": {args.role: size}}))
-            results, _, _ = under_load(client, name, args.concurrency, restart, lead=3, tail=3)
+            results, _, _ = under_load(openai, name, args.concurrency, restart, lead=3, tail=3)
             done, took = run["done"], run["took"]
             failed = sum(1 for _, error in results if error)
             if done.returncode:
@@ -68,13 +65,14 @@ def main() -> int:
                                                           done.stdout)})
             runs.append({"max_unavailable": size, "rc": done.returncode,
                          "batches": len(batches), "wall_s": round(took, 1),
-                         "requests": len(results), "failed": failed})
+                         "requests": len(results), "failed": failed,
+                         "errors": sorted({e for _, e in results if e})[:3]})
             print(json.dumps(runs[-1]), file=sys.stderr)
     finally:
         all_yml.write_text(original)
     print(json.dumps({"role": args.role, "concurrency": args.concurrency, "runs": runs},
                      indent=2))
-    return 0 if all(r["rc"] == 0 for r in runs) else 1
+    return 0 if all(r["rc"] == 0 and r["failed"] == 0 for r in runs) else 1
 
 
 if __name__ == "__main__":

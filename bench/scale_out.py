@@ -23,13 +23,14 @@ import argparse
 import collections
 import json
 import os
+import ssl
 import subprocess
 import sys
 import threading
 import time
 from datetime import UTC, datetime
 
-from openai import OpenAI
+from openai import DefaultHttpxClient, OpenAI
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAB = os.path.join(os.path.dirname(sys.executable), "fab")
@@ -44,6 +45,16 @@ def endpoint(inventory: str) -> dict:
     out = subprocess.run([FAB, "endpoint", "-i", inventory, "--format", "env"], cwd=ROOT,
                          capture_output=True, text=True, check=True).stdout
     return dict(line.split("=", 1) for line in out.split())
+
+
+def client(inventory: str) -> tuple[OpenAI, str]:
+    """The OpenAI client a user sets up from `fab endpoint --format env` (the gateway's
+    key and its certificate authority; no retries), and the served model's name."""
+    env = endpoint(inventory)
+    return OpenAI(base_url=env["OPENAI_BASE_URL"], api_key=env["OPENAI_API_KEY"],
+                  max_retries=0, timeout=60, http_client=DefaultHttpxClient(
+                      verify=ssl.create_default_context(cafile=env["SSL_CERT_FILE"]))), \
+        model(inventory)
 
 
 def model(inventory: str) -> str:
@@ -113,9 +124,7 @@ def main() -> int:
                        help="fab deploy of this inventory: the same deployment with a change")
     args = p.parse_args()
 
-    env, name = endpoint(args.inventory), model(args.inventory)
-    client = OpenAI(base_url=env["OPENAI_BASE_URL"], api_key=env["OPENAI_API_KEY"],
-                    max_retries=0, timeout=60)
+    openai, name = client(args.inventory)
     what = "none (steady load)"
     units = ""
 
@@ -139,7 +148,7 @@ def main() -> int:
             what = f"every engine unit of {args.lose_host} killed (SIGKILL)"
 
     wall = time.time()  # the wall clock at the load's start
-    results, at, seconds = under_load(client, name, args.concurrency, event, args.seconds)
+    results, at, seconds = under_load(openai, name, args.concurrency, event, args.seconds)
     if args.lose_host:
         ssh(args.lose_host, f"systemctl start {units}")
     failed = [t for t, error in results if error]

@@ -738,9 +738,12 @@ def _roll_batches(processes: list[Process], ov: Overrides) -> list[Problem]:
     restart on several hosts at once; the first batch is the canary. Every other process
     restarts alone. A pool never has all its workers out: a batch takes at least 1 and at
     most all but one of them, whatever the count or share says (a pool scaled down keeps
-    serving through its next roll)."""
+    serving through its next roll). A pool's routers go first: a deploy that adds workers
+    and changes others gives the routers their new lists before a worker leaves (a worker
+    leaves only while another serves in every router)."""
     problems, batch = [], 0
-    for order in sorted({p.order for p in processes}):
+    routers = {p.order for p in processes if p.readiness.drop}
+    for order in sorted({p.order for p in processes}, key=lambda o: (o not in routers, o)):
         level = [p for p in processes if p.order == order]
         pools: dict[str, list[Process]] = {}
         for p in level:

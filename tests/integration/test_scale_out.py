@@ -6,6 +6,7 @@ stops exactly the workers it drops."""
 from __future__ import annotations
 
 import json
+import math
 import re
 import ssl
 import threading
@@ -143,6 +144,7 @@ def under_load(client, action, model: str = "zai-org/GLM-5.3-Flash") -> tuple[ob
     return out, results
 
 
+@pytest.mark.slow  # about 60 s: the batched roll's test below rolls a pool the same way
 def test_a_rolling_restart_under_load_restarts_every_decode_and_loses_nothing(pool):
     """fab restart --role decode with requests flowing: each decode worker leaves both
     routers' pools, drains, restarts, and is back (each router restarted in turn, the
@@ -297,7 +299,7 @@ def unit_events(host: str, unit: str, since: float) -> list[tuple[float, str]]:
     """systemd's stops and starts of the unit since a wall-clock time, and the engine's own
     line when it serves ("Application startup complete."): (seconds, what), from the host's
     journal (the lab's hosts share one clock)."""
-    out = ssh(host, f"journalctl -u {unit} --since=@{since:.0f} -o json "
+    out = ssh(host, f"journalctl -u {unit} --since=@{math.ceil(since)} -o json "
                     "--output-fields=MESSAGE,_PID --no-pager -q", check=True)
     events = []
     for line in out.splitlines():
@@ -362,21 +364,73 @@ def test_a_pool_rolls_two_workers_at_a_time_under_load_and_loses_nothing(pool):
     proc, results = under_load(client, lambda: fab("deploy", "-i", inv))
     took = time.monotonic() - started
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    # the plan's batches 0 and 1; the prefill (batch 2) is not rolled
-    assert "Roll | Restart, batch 1" in proc.stdout and "batch 2" not in proc.stdout
+    # the plan's batches 2 and 3 (0 and 1 are the routers'); the prefill (4) is not rolled
+    assert "Roll | Restart, batch 3" in proc.stdout and "batch 4" not in proc.stdout
     rolled_in_batches(before, "deploy", since)
     failed = results.count(False)
     print(f"deploy of a changed decode flag, 3 workers 2 at a time, under load: {failed} of "
           f"{len(results)} failed, {took:.0f} s")
     assert len(results) > 100 and failed == 0, (failed, len(results))
 
+    # a deliberate restart must start a unit whose crash-loop limit is used up; the last
+    # of those restarts serves (2 s) before the roll's window opens
+    use_up_start_limit("lab2", "gpufleet-decode-1.service")
+    time.sleep(5)
     before = {h: main_pids(h) for h in ADDRESS}
+    gateway_before = ssh("lab1", GATEWAY_STATE)
     started, since = time.monotonic(), time.time()
     proc, results = under_load(client, lambda: fab("restart", "--role", "decode", "-i", inv))
     took = time.monotonic() - started
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     rolled_in_batches(before, "fab restart", since)
+    # the gateway was left alone (a reload would lose requests sent on its idle
+    # connections): nginx never reloaded
+    assert ssh("lab1", GATEWAY_STATE) == gateway_before
     failed = results.count(False)
     print(f"fab restart --role decode, 3 workers 2 at a time, under load: {failed} of "
           f"{len(results)} failed, {took:.0f} s")
+    assert len(results) > 100 and failed == 0, (failed, len(results))
+
+
+def test_a_failed_canary_stops_the_roll_with_the_later_workers_serving(pool):
+    """The first batch is the canary: when one of its workers does not start again, fab
+    restart stops there, names the batch and the fix, and leaves the later batch's worker
+    serving as it was; requests go on to the workers that serve."""
+    inv, client = pool
+    all_yml = Path(inv) / "group_vars" / "all.yml"
+    values = yaml.safe_load(all_yml.read_text())
+    if values.get("gpufleet_workers") != {"prefill": 1, "decode": 3}:  # run alone
+        hosts_yml = Path(inv) / "hosts.yml"
+        hosts = yaml.safe_load(hosts_yml.read_text())
+        hosts["all"]["children"]["workers"] = {"hosts": {"lab1": {}, "lab2": {}}}
+        hosts_yml.write_text(yaml.safe_dump(hosts))
+        all_yml.write_text(yaml.safe_dump({**values, "gpufleet_workers": {
+            "prefill": 1, "decode": 3}, "gpufleet_max_unavailable": {"decode": 2}}))
+        proc = fab("deploy", "-i", inv)
+        assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    # lab1's decode worker cannot start again (as with a broken engine environment)
+    broken = "/run/systemd/system/gpufleet-decode.service.d"
+    ssh("lab1", f"mkdir -p {broken} && printf '[Service]\\nExecStartPre=/bin/false\\n' "
+                f"> {broken}/broken.conf && systemctl daemon-reload", check=True)
+    try:
+        before = {h: main_pids(h) for h in ADDRESS}
+        proc, results = under_load(client, lambda: fab("restart", "--role", "decode",
+                                                       "-i", inv))
+        after = {h: main_pids(h) for h in ADDRESS}
+    finally:
+        ssh("lab1", f"rm -r {broken} && systemctl daemon-reload && systemctl reset-failed "
+                    "gpufleet-decode.service; systemctl restart gpufleet-decode.service",
+            check=True)
+    assert proc.returncode != 0
+    assert ("The canary batch (lab1:gpufleet-decode.service, lab2:gpufleet-decode-1.service)"
+            " did not serve again") in proc.stdout, proc.stdout[-4000:]
+    assert "Fix: fab logs --role decode" in proc.stdout
+    assert "Roll | Restart, batch 3" not in proc.stdout
+    # the canary's other worker restarted and serves; the later batch's was left alone
+    assert "gpufleet-decode.service" not in after["lab1"]
+    assert after["lab2"]["gpufleet-decode-1.service"] != before["lab2"]["gpufleet-decode-1.service"]
+    assert after["lab2"]["gpufleet-decode-2.service"] == before["lab2"]["gpufleet-decode-2.service"]
+    failed = results.count(False)
+    print(f"fab restart --role decode with a failed canary, under load: {failed} of "
+          f"{len(results)} failed")
     assert len(results) > 100 and failed == 0, (failed, len(results))

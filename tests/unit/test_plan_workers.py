@@ -374,10 +374,11 @@ def batches(plan) -> list[list[str]]:
 
 def test_a_rolling_restart_takes_one_worker_of_a_pool_at_a_time_by_default():
     plan = make_plan("h200-pd-1node", hosts(workers=2), {"workers": {"prefill": 2, "decode": 2}})
-    # the engines level by level: the k-th worker of each pool together, then the routers
-    # alone, then the gateway (not rolled by fab restart, but a step of its own)
-    assert batches(plan) == [["prefill", "decode"], ["prefill-1", "decode-1"], ["router"],
-                             ["router-1"], ["gateway"]]
+    # the routers first, alone (a deploy that adds workers gives them their new lists
+    # before a worker leaves), then the engines level by level, the k-th worker of each
+    # pool together, then the gateway (not rolled by fab restart, but a step of its own)
+    assert batches(plan) == [["router"], ["router-1"], ["prefill", "decode"],
+                             ["prefill-1", "decode-1"], ["gateway"]]
 
 
 @pytest.mark.parametrize("max_unavailable, want", [
@@ -444,8 +445,8 @@ def test_the_roll_steps_are_the_batches_of_the_units_to_restart():
     hostvars["workers-2"]["__roll_units"] = ["gpufleet-decode-1.service"]
     steps = roll_steps(hostvars, list(hostvars))
     assert [(s["batch"], s["canary"], s["leader"], s["units"]) for s in steps] == [
-        (0, True, "workers-1", ["workers-1:gpufleet-decode.service"]),
-        (1, False, "workers-2", ["workers-2:gpufleet-decode-1.service"])]
+        (2, True, "workers-1", ["workers-1:gpufleet-decode.service"]),  # after the routers'
+        (3, False, "workers-2", ["workers-2:gpufleet-decode-1.service"])]
     assert [[r["unit"] for r in s["routers"]] for s in steps] == \
         [["gpufleet-router.service", "gpufleet-router-1.service"]] * 2
     # nothing to restart: no step; a host that is not asked restarts nothing

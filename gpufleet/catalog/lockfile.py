@@ -24,6 +24,7 @@ from pathlib import Path
 from packaging import tags
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name, parse_wheel_filename
+from packaging.version import Version
 
 REPO = Path(__file__).resolve().parents[2]
 _HEADER = re.compile(r"^# ([a-z-]+): (.*)$")
@@ -248,3 +249,52 @@ def requires_of(lock: Lock, files: dict[str, list[dict]],
 
     with ThreadPoolExecutor(workers) as pool:
         return dict(pool.map(fetch, sorted(lock.pins)))
+
+
+# what a new engine release is read for: the kernel, tensor and KV-transfer packages whose
+# versions move with it (FlashInfer's floor, torch's CUDA build, NIXL, Mooncake)
+WATCHED = ("torch", "flashinfer-python", "flashinfer-cubin", "sglang-kernel", "nixl",
+           "nixl-cu12", "nixl-cu13", "mooncake-transfer-engine", "vllm", "ai-dynamo-runtime")
+
+
+def newer(files: list[dict], version: str, python: str, arch: str) -> list[str]:
+    """The final releases above VERSION that have a wheel for CPython PYTHON on ARCH."""
+    pinned = Version(version)
+    found = {Version(v) for f in files if (v := version_of(f["filename"]))
+             and not f.get("yanked") and fits(f["filename"], python, arch)}
+    return [str(v) for v in sorted(found) if v > pinned and not v.is_prerelease]
+
+
+def outdated(lock: Lock, requirements: list[str], files: dict[str, list[dict]],
+             read_requires=None) -> list[dict]:
+    """For the lock's top-level requirements and its watched pins: each one's pinned
+    version, the newer releases the index serves for the lock's arch and Python, and for a
+    top-level requirement's newest release, the watched packages it requires (so a pin can
+    move with what it needs in one commit). READ_REQUIRES(url) -> Requires-Dist (default:
+    wheel_requires, over the network)."""
+    read_requires = read_requires or wheel_requires
+    python, arch = lock.one("python"), lock.one("arch")
+    top = [str(canonicalize_name(Requirement(r).name)) for r in requirements]
+    rows = []
+    for name in dict.fromkeys([*top, *(n for n in WATCHED if n in lock.pins)]):
+        if name not in lock.pins:
+            continue
+        version = lock.pins[name][0]
+        ahead = newer(files.get(name, []), version, python, arch)
+        row = {"name": name, "pinned": version, "newer": ahead,
+               "via": "requirement" if name in top else "dependency", "needs": []}
+        if ahead and name in top:
+            wheel = next(f for f in files[name] if version_of(f["filename"]) == ahead[-1]
+                         and fits(f["filename"], python, arch))
+            env = {**marker_env(lock), "extra": ""}
+            for dep in read_requires(wheel["url"]):
+                req = Requirement(dep)
+                dep_name = str(canonicalize_name(req.name))
+                if dep_name in WATCHED and (req.marker is None or req.marker.evaluate(env)):
+                    served = any(req.specifier.contains(v) for f in files.get(dep_name, [])
+                                 if (v := version_of(f["filename"]))
+                                 and fits(f["filename"], python, arch))
+                    need = str(req).split(";")[0].strip()
+                    row["needs"].append(need if served else f"{need} (not on the index)")
+        rows.append(row)
+    return rows

@@ -190,3 +190,31 @@ def test_every_lock_is_its_whole_closure(engine, arch, python, index_files):
     found = lockfile.closure(lock, lockfile.requires_of(lock, index_files, workers=16))
     assert found == {"missing": [], "mismatched": [], "unreached": []}, (
         f"{lock.path.name}: {found}. Fix: run scripts/lock")
+
+
+def wheel(name: str, version: str, tag: str = "py3-none-any") -> dict:
+    return {"filename": f"{name.replace('-', '_')}-{version}-{tag}.whl",
+            "url": f"https://files.example/{name}-{version}.whl", "hashes": {}}
+
+
+def test_the_outdated_report_names_newer_releases_and_what_the_newest_needs():
+    lock = lockfile.parse("# arch: x86_64\n# python: 3.12\n"
+                          "vllm==0.33.0 --hash=sha256:" + "0" * 64 + "\n"
+                          "flashinfer-python==0.7.2.post1 --hash=sha256:" + "0" * 64 + "\n")
+    files = {
+        "vllm": [wheel("vllm", v, "cp38-abi3-manylinux_2_31_x86_64")
+                 for v in ("0.32.0", "0.33.0", "0.34.0", "0.35.0rc1")]
+        + [wheel("vllm", "0.34.1", "cp38-abi3-manylinux_2_31_aarch64")],  # not for x86_64
+        "flashinfer-python": [wheel("flashinfer-python", v) for v in ("0.7.2.post1", "0.7.4")],
+    }
+    needs = {"https://files.example/vllm-0.34.0.whl": [
+        "flashinfer-python==0.7.3", "torch==2.14.0", "numpy",
+        'nixl-cu13==1.5.2; platform_machine == "aarch64"']}
+    rows = lockfile.outdated(lock, ["vllm==0.33.0"], files, read_requires=needs.__getitem__)
+    assert rows == [
+        {"name": "vllm", "pinned": "0.33.0", "newer": ["0.34.0"], "via": "requirement",
+         # what is not served is said; a package not watched, or for another arch, is not
+         "needs": ["flashinfer-python==0.7.3 (not on the index)",
+                   "torch==2.14.0 (not on the index)"]},
+        {"name": "flashinfer-python", "pinned": "0.7.2.post1", "newer": ["0.7.4"],
+         "via": "dependency", "needs": []}]

@@ -9,16 +9,22 @@ top-level requirement), excluded (one line per package left out, with why).
 
 from __future__ import annotations
 
+import email.parser
+import io
 import json
 import re
+import urllib.error
 import urllib.request
+import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 
 from packaging import tags
+from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name, parse_wheel_filename
+from packaging.version import Version
 
 REPO = Path(__file__).resolve().parents[2]
 _HEADER = re.compile(r"^# ([a-z-]+): (.*)$")
@@ -114,3 +120,181 @@ def glibc_of(filename: str) -> tuple[int, int]:
         if m := _MANYLINUX.match(tag.platform):
             found.append(_LEGACY[m.group(3)] if m.group(3) else (int(m.group(1)), int(m.group(2))))
     return min(found, default=(0, 0))
+
+
+def marker_env(lock: Lock) -> dict[str, str]:
+    """The environment markers of the machine a lock is for (Linux, its arch and CPython),
+    not of the machine that reads it: a resolver run elsewhere with only a platform tag
+    (pip's --platform) evaluates markers for itself and gets another closure."""
+    python = lock.one("python")
+    return {"python_version": python, "python_full_version": f"{python}.0",
+            "implementation_version": f"{python}.0", "implementation_name": "cpython",
+            "platform_python_implementation": "CPython", "platform_machine": lock.one("arch"),
+            "sys_platform": "linux", "platform_system": "Linux", "os_name": "posix",
+            "platform_release": "", "platform_version": ""}
+
+
+def closure(lock: Lock, requires: dict[str, list[str]]) -> dict[str, list[str]]:
+    """What resolving the lock's top-level requirements with their dependencies, for the
+    lock's platform and Python (marker_env), finds that the lock does not hold.
+    `requires`: each pinned name -> its pinned version's Requires-Dist. Returns
+    {missing: required but not pinned, mismatched: pinned at a version its requirer does
+    not take, unreached: pinned but required by nothing}; the lock's `excluded` packages
+    are left out on purpose."""
+    env = marker_env(lock)
+    excluded = {str(canonicalize_name(line.split("==")[0].split()[0]))
+                for line in lock.header.get("excluded", [])}
+    done: dict[str, set[str]] = {}  # name -> the extras whose requirements were followed
+    found: dict[str, list[str]] = {"missing": [], "mismatched": [], "unreached": []}
+    todo = [(r, "the lock's requirements") for r in lock.header.get("requirement", [])]
+    while todo:
+        line, by = todo.pop()
+        req = Requirement(line)
+        name = str(canonicalize_name(req.name))
+        if name in excluded:
+            continue
+        if name not in lock.pins:
+            found["missing"].append(f"{name} ({by}: {line})")
+            continue
+        version = lock.pins[name][0]
+        if not req.specifier.contains(version, prereleases=True):
+            found["mismatched"].append(f"{name}=={version} ({by}: {line})")
+        extras = {""} | set(req.extras)
+        if extras <= done.get(name, set()):
+            continue
+        done.setdefault(name, set()).update(extras)
+        for dep in requires.get(name, []):
+            marker = Requirement(dep).marker
+            if marker is None or any(marker.evaluate({**env, "extra": e}) for e in extras):
+                todo.append((dep, f"{name}=={version}"))
+    found["unreached"] = sorted(set(lock.pins) - set(done))
+    for key in ("missing", "mismatched"):
+        found[key] = sorted(set(found[key]))
+    return found
+
+
+class _RangeFile(io.RawIOBase):
+    """A remote file read by HTTP range requests, one request per read, the last 64 KiB
+    fetched at once (a zip's end record and, mostly, its central directory): what
+    zipfile needs to read one member of a wheel without the whole wheel."""
+
+    def __init__(self, url: str):
+        self.url, self.pos = url, 0
+        tail = self._get(-(1 << 16))
+        self.size = self._total
+        self.tail_at, self.tail = self.size - len(tail), tail
+
+    def _get(self, start: int, end: int | None = None) -> bytes:
+        spec = f"bytes={start}" if end is None else f"bytes={start}-{end - 1}"
+        req = urllib.request.Request(self.url, headers={"Range": spec})
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            if resp.status != 206:
+                raise OSError(f"{self.url}: no range requests (HTTP {resp.status})")
+            self._total = int(resp.headers["Content-Range"].rsplit("/", 1)[1])
+            return resp.read()
+
+    def seekable(self) -> bool:
+        return True
+
+    def readable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        self.pos = {0: 0, 1: self.pos, 2: self.size}[whence] + offset
+        return self.pos
+
+    def read(self, n: int = -1) -> bytes:
+        end = self.size if n < 0 else min(self.pos + n, self.size)
+        if end <= self.pos:
+            return b""
+        if self.pos >= self.tail_at:
+            data = self.tail[self.pos - self.tail_at:end - self.tail_at]
+        else:
+            data = self._get(self.pos, end)
+        self.pos += len(data)
+        return data
+
+
+@cache
+def wheel_requires(url: str) -> tuple[str, ...]:
+    """A wheel's Requires-Dist, read from its METADATA over range requests."""
+    with zipfile.ZipFile(_RangeFile(url)) as wheel:
+        (name,) = [n for n in wheel.namelist()
+                   if n.count("/") == 1 and n.endswith(".dist-info/METADATA")]
+        metadata = email.parser.BytesParser().parsebytes(wheel.read(name))
+    return tuple(metadata.get_all("Requires-Dist") or [])
+
+
+def requires_of(lock: Lock, files: dict[str, list[dict]],
+                workers: int = 16) -> dict[str, list[str]]:
+    """name -> the Requires-Dist of each pin of the lock, read from the pinned wheel that
+    installs on the lock's arch and Python (the index serves no separate metadata), one
+    wheel per pin, in parallel. `files`: index_files of the lock's names."""
+    python, arch = lock.one("python"), lock.one("arch")
+
+    def fetch(name: str) -> tuple[str, list[str]]:
+        version, hashes = lock.pins[name]
+        wheel = next(f for f in files.get(name, []) if f["hashes"].get("sha256") in hashes
+                     and fits(f["filename"], python, arch))
+        for attempt in range(3):
+            try:
+                return name, list(wheel_requires(wheel["url"]))
+            except (urllib.error.URLError, OSError):
+                if attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
+
+    with ThreadPoolExecutor(workers) as pool:
+        return dict(pool.map(fetch, sorted(lock.pins)))
+
+
+# what a new engine release is read for: the kernel, tensor and KV-transfer packages whose
+# versions move with it (FlashInfer's floor, torch's CUDA build, NIXL, Mooncake)
+WATCHED = ("torch", "flashinfer-python", "flashinfer-cubin", "sglang-kernel", "nixl",
+           "nixl-cu12", "nixl-cu13", "mooncake-transfer-engine", "vllm", "ai-dynamo-runtime")
+
+
+def newer(files: list[dict], version: str, python: str, arch: str) -> list[str]:
+    """The final releases above VERSION that have a wheel for CPython PYTHON on ARCH."""
+    pinned = Version(version)
+    found = {Version(v) for f in files if (v := version_of(f["filename"]))
+             and not f.get("yanked") and fits(f["filename"], python, arch)}
+    return [str(v) for v in sorted(found) if v > pinned and not v.is_prerelease]
+
+
+def outdated(lock: Lock, requirements: list[str], files: dict[str, list[dict]],
+             read_requires=None) -> list[dict]:
+    """For the lock's top-level requirements and its watched pins: each one's pinned
+    version, the newer releases the index serves for the lock's arch and Python, and for a
+    top-level requirement's newest release, the watched packages it requires (so a pin can
+    move with what it needs in one commit). READ_REQUIRES(url) -> Requires-Dist (default:
+    wheel_requires, over the network)."""
+    read_requires = read_requires or wheel_requires
+    python, arch = lock.one("python"), lock.one("arch")
+    top = [str(canonicalize_name(Requirement(r).name)) for r in requirements]
+    rows = []
+    for name in dict.fromkeys([*top, *(n for n in WATCHED if n in lock.pins)]):
+        if name not in lock.pins:
+            continue
+        version = lock.pins[name][0]
+        ahead = newer(files.get(name, []), version, python, arch)
+        row = {"name": name, "pinned": version, "newer": ahead,
+               "via": "requirement" if name in top else "dependency", "needs": []}
+        if ahead and name in top:
+            wheel = next(f for f in files[name] if version_of(f["filename"]) == ahead[-1]
+                         and fits(f["filename"], python, arch))
+            env = {**marker_env(lock), "extra": ""}
+            for dep in read_requires(wheel["url"]):
+                req = Requirement(dep)
+                dep_name = str(canonicalize_name(req.name))
+                if dep_name in WATCHED and (req.marker is None or req.marker.evaluate(env)):
+                    served = any(req.specifier.contains(v) for f in files.get(dep_name, [])
+                                 if (v := version_of(f["filename"]))
+                                 and fits(f["filename"], python, arch))
+                    need = str(req).split(";")[0].strip()
+                    row["needs"].append(need if served else f"{need} (not on the index)")
+        rows.append(row)
+    return rows

@@ -123,3 +123,98 @@ def test_excluded_packages_are_still_missing_from_the_index(index_files):
                 f"{CATALOG.locks.index} serves no wheel of it, so it is not locked or "
                 "checked; a site whose index serves it installs it on top", stacklevel=1)
     assert seen, "no exclusions to check: drop this test"
+
+
+# a lock as scripts/lock writes it, for the closure check's own tests
+SMALL = """\
+# arch: {arch}
+# python: 3.12
+# requirement: sglang==0.5.23
+# requirement: nixl[cu13]==1.5.1
+sglang==0.5.23 --hash=sha256:{h}
+nixl==1.5.1 --hash=sha256:{h}
+nixl-cu13==1.5.1 --hash=sha256:{h}
+"""
+REQUIRES = {
+    # the real marker of sglang 0.5.23's torchcodec: every platform but Linux on ARM
+    "sglang": ['torchcodec==0.17.0; sys_platform != "linux" or (sys_platform == "linux" and '
+               'platform_machine != "aarch64" and platform_machine != "arm64" and '
+               'platform_machine != "armv7l")', 'async-timeout; python_version < "3.11"'],
+    "nixl": ['nixl-cu12==1.5.1; extra == "cu12"', 'nixl-cu13==1.5.1; extra == "cu13"'],
+    "nixl-cu13": [],
+}
+
+
+def small(arch: str) -> lockfile.Lock:
+    return lockfile.parse(SMALL.format(arch=arch, h="0" * 64))
+
+
+def test_the_closure_is_the_locks_platforms_not_the_readers():
+    """torchcodec: sglang needs it everywhere but on Linux aarch64. A resolver that
+    evaluates markers for the machine it runs on (pip --platform on x86_64) adds it to
+    the aarch64 lock; the closure for the lock's own platform does not."""
+    assert lockfile.closure(small("aarch64"), REQUIRES) == {
+        "missing": [], "mismatched": [], "unreached": []}
+    found = lockfile.closure(small("x86_64"), REQUIRES)
+    assert found["missing"] == [
+        "torchcodec (sglang==0.5.23: torchcodec==0.17.0; sys_platform != \"linux\" or "
+        "(sys_platform == \"linux\" and platform_machine != \"aarch64\" and platform_machine "
+        "!= \"arm64\" and platform_machine != \"armv7l\"))"]
+
+
+def test_the_closure_follows_extras_and_finds_what_is_wrong():
+    lock = small("aarch64")
+    # an extra's requirement that is not pinned
+    lock.pins.pop("nixl-cu13")
+    found = lockfile.closure(lock, REQUIRES)
+    assert [m.split(" ")[0] for m in found["missing"]] == ["nixl-cu13"]
+    # a pin its requirer does not take, and a pin nothing requires
+    lock = small("aarch64")
+    lock.pins["nixl-cu13"] = ("1.5.2", ["0" * 64])
+    lock.pins["six"] = ("1.17.0", ["0" * 64])
+    found = lockfile.closure(lock, REQUIRES)
+    assert found["mismatched"] == ["nixl-cu13==1.5.2 (nixl==1.5.1: nixl-cu13==1.5.1; "
+                                   "extra == \"cu13\")"]
+    assert found["unreached"] == ["six"]
+
+
+@pytest.mark.index
+@pytest.mark.parametrize(("engine", "arch", "python"), COMBOS, ids=IDS)
+def test_every_lock_is_its_whole_closure(engine, arch, python, index_files):
+    """Each lock's top-level requirements with their dependencies (each pinned wheel's
+    own Requires-Dist, read from the index's wheel for the lock's arch and Python, markers
+    for that platform) need exactly the lock's pins: none missing, none at another
+    version, none needed by nothing (the locks install with --no-deps, so nothing else
+    would say so)."""
+    lock = lock_of(engine, arch, python)
+    found = lockfile.closure(lock, lockfile.requires_of(lock, index_files, workers=16))
+    assert found == {"missing": [], "mismatched": [], "unreached": []}, (
+        f"{lock.path.name}: {found}. Fix: run scripts/lock")
+
+
+def wheel(name: str, version: str, tag: str = "py3-none-any") -> dict:
+    return {"filename": f"{name.replace('-', '_')}-{version}-{tag}.whl",
+            "url": f"https://files.example/{name}-{version}.whl", "hashes": {}}
+
+
+def test_the_outdated_report_names_newer_releases_and_what_the_newest_needs():
+    lock = lockfile.parse("# arch: x86_64\n# python: 3.12\n"
+                          "vllm==0.33.0 --hash=sha256:" + "0" * 64 + "\n"
+                          "flashinfer-python==0.7.2.post1 --hash=sha256:" + "0" * 64 + "\n")
+    files = {
+        "vllm": [wheel("vllm", v, "cp38-abi3-manylinux_2_31_x86_64")
+                 for v in ("0.32.0", "0.33.0", "0.34.0", "0.35.0rc1")]
+        + [wheel("vllm", "0.34.1", "cp38-abi3-manylinux_2_31_aarch64")],  # not for x86_64
+        "flashinfer-python": [wheel("flashinfer-python", v) for v in ("0.7.2.post1", "0.7.4")],
+    }
+    needs = {"https://files.example/vllm-0.34.0.whl": [
+        "flashinfer-python==0.7.3", "torch==2.14.0", "numpy",
+        'nixl-cu13==1.5.2; platform_machine == "aarch64"']}
+    rows = lockfile.outdated(lock, ["vllm==0.33.0"], files, read_requires=needs.__getitem__)
+    assert rows == [
+        {"name": "vllm", "pinned": "0.33.0", "newer": ["0.34.0"], "via": "requirement",
+         # what is not served is said; a package not watched, or for another arch, is not
+         "needs": ["flashinfer-python==0.7.3 (not on the index)",
+                   "torch==2.14.0 (not on the index)"]},
+        {"name": "flashinfer-python", "pinned": "0.7.2.post1", "newer": ["0.7.4"],
+         "via": "dependency", "needs": []}]

@@ -39,6 +39,7 @@ INVENTORY_OVERRIDES = {
     "gpufleet_replicas": "replicas",
     "gpufleet_workers": "workers",
     "gpufleet_max_unavailable": "max_unavailable",
+    "gpufleet_quarantine": "quarantine",
     "gpufleet_runtime": "runtime",
     "gpufleet_images": "images",
     "gpufleet_registry_mirror": "registry_mirror",

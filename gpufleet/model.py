@@ -109,6 +109,9 @@ class Overrides(BaseModel):
     # how many workers of a pool a rolling restart takes out at once (plan._roll_batches):
     # a count or "N%" of the pool, for every pool or per role ({decode: 2, prefill: "25%"})
     max_unavailable: int | str | dict[str, int | str] = 1
+    # hosts left out of serving (plan._quarantine): a deploy quarantines a host that failed
+    # before serving (prepare, cache) where the plan can do without it; an operator may too
+    quarantine: list[str] = Field(default_factory=list)
     # the engine runtime (None: the hosts' vendor decides, catalog `runtimes`), the image
     # each engine runs from instead of the catalog's (engine -> reference), and a registry
     # that serves every image in place of its own (an air-gapped site's mirror)
@@ -536,6 +539,10 @@ class Plan:
     exposure: dict = field(default_factory=dict)
     # the metrics listener and the scrape targets (plan._monitoring)
     monitoring: dict = field(default_factory=dict)
+    # hosts left out of serving (Overrides.quarantine; plan._quarantine): no process, no
+    # router lists them; the deploy names them and ends non-zero, the retire play leaves
+    # them alone
+    quarantined: list[str] = field(default_factory=list)
 
     def by_role(self, role: str) -> list[Process]:
         return [p for p in self.processes if p.role == role]
@@ -575,6 +582,7 @@ class Plan:
             "hosts_record": self.hosts_record,
             "exposure": self.exposure,
             "monitoring": self.monitoring,
+            "quarantined": self.quarantined,
         }
 
 

@@ -1,0 +1,70 @@
+"""gpufleet_quarantine: a deploy leaves out a host that failed before serving where the
+plan can do without it (a pool's worker, a whole replica), and refuses where it cannot."""
+
+from __future__ import annotations
+
+import pytest
+
+from gpufleet import inventory as inv_mod
+from gpufleet.model import PlanError
+from gpufleet.plan import make_plan
+
+POOL = {"workers": {"prefill": 1, "decode": 4}}
+
+
+def placed(plan) -> dict[str, tuple[str, dict]]:
+    return {p.name: (p.host, p.ports) for p in plan.processes}
+
+
+def test_a_pool_workers_host_is_left_out_and_the_others_keep_their_seats():
+    inv = inv_mod.placeholder({"workers": 3})
+    whole = make_plan("h200-pd-1node", inv, POOL)
+    plan = make_plan("h200-pd-1node", inv, {**POOL, "quarantine": ["workers-3"]})
+    assert plan.quarantined == ["workers-3"] and plan.to_json()["quarantined"] == ["workers-3"]
+    # nothing runs there, and no host slice asks anything of it
+    assert not plan.on_host("workers-3") and "workers-3" not in plan.hosts
+    # every other process keeps its name, host and ports (its return changes only lists)
+    gone = {n for n, (h, _) in placed(whole).items() if h == "workers-3"}
+    assert gone == {"decode-2"}
+    assert placed(plan) == {n: v for n, v in placed(whole).items() if n not in gone}
+    # the routers list the workers that serve, and only them
+    for router in plan.by_role("router"):
+        assert "http://workers-3:8002" not in router.argv
+        assert router.argv.count("--decode") == 3
+    assert whole.quarantined == [] and whole.to_json()["quarantined"] == []
+
+
+def test_a_whole_replica_is_left_out_while_another_serves():
+    inv = inv_mod.placeholder({"workers": 3})
+    plan = make_plan("h200-pd-1node", inv, {"replicas": True, "quarantine": ["workers-2"]})
+    assert {p.host for p in plan.processes} == {"workers-1", "workers-3"}
+    assert len(plan.endpoints) == 2 and not any("workers-2" in e for e in plan.endpoints)
+
+
+@pytest.mark.parametrize("overrides, quarantine, says", [
+    # the routers and the gateway run on the first host
+    (POOL, ["workers-1"], "quarantine: workers-1 runs router, router-1, which the "
+                          "deployment cannot serve without. Fix: fix the host"),
+    # the one prefill worker would go with it
+    (POOL, ["workers-1"], "quarantine: the prefill pool would keep no worker without "
+                          "workers-1"),
+    # without a pool (on one host here), every host is needed
+    ({}, ["workers-1"], "quarantine: workers-1 runs prefill, decode, router"),
+    ({"replicas": True}, ["workers-1", "workers-2", "workers-3"],
+     "quarantine: no replica would be left"),
+    (POOL, ["workers-9"], "quarantine: workers-9 is not a host of the inventory"),
+])
+def test_what_the_deployment_cannot_serve_without_is_refused(overrides, quarantine, says):
+    inv = inv_mod.placeholder({"workers": 3 if overrides else 1})
+    with pytest.raises(PlanError) as err:
+        make_plan("h200-pd-1node", inv,
+                  {**overrides, "quarantine": quarantine})
+    assert says in str(err.value)
+
+
+def test_every_pool_losing_its_last_worker_is_named():
+    with pytest.raises(PlanError) as err:
+        make_plan("h200-pd-1node", inv_mod.placeholder({"workers": 1}),
+                  {"workers": {"prefill": 1, "decode": 1}, "quarantine": ["workers-1"]})
+    assert "the decode pool would keep no worker" in str(err.value)
+    assert "the prefill pool would keep no worker" in str(err.value)

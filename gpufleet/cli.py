@@ -40,6 +40,7 @@ INVENTORY_OVERRIDES = {
     "gpufleet_workers": "workers",
     "gpufleet_max_unavailable": "max_unavailable",
     "gpufleet_quarantine": "quarantine",
+    "gpufleet_max_fail_percentage": "max_fail_percentage",
     "gpufleet_runtime": "runtime",
     "gpufleet_images": "images",
     "gpufleet_registry_mirror": "registry_mirror",

@@ -336,6 +336,9 @@ def compose(
         api=_api(ov, inventory, processes), endpoints=[_endpoint(f, ov) for f in fronts],
         hosts_record=hosts_record_path(inventory), pooled=ov.pooled,
         lock_file=deploy_lock_path(inventory), quarantined=sorted(set(ov.quarantine)),
+        max_fail_percentage=ov.max_fail_percentage,
+        inputs={"target": target.name,
+                "overrides": ov.model_dump(mode="json", exclude_defaults=True)},
     )
     plan.exposure = _exposure(processes)
     plan.monitoring = _monitoring(ov, inventory, target, processes)

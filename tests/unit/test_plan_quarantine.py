@@ -68,3 +68,31 @@ def test_every_pool_losing_its_last_worker_is_named():
                   {"workers": {"prefill": 1, "decode": 1}, "quarantine": ["workers-1"]})
     assert "the decode pool would keep no worker" in str(err.value)
     assert "the prefill pool would keep no worker" in str(err.value)
+
+
+def test_a_deploy_plans_again_from_the_plans_own_inputs_with_the_failed_hosts_left_out():
+    """lookup gpufleet_plan with quarantine and the plan's inputs: the same plan as before
+    (the command line's overrides included, which the inventory does not hold) but for the
+    hosts left out."""
+    from gpufleet.ansible_plugins.lookup.gpufleet_plan import LookupModule
+
+    names = ["lab1", "lab2", "lab3"]
+    hostvars = {h: {"ansible_host": f"10.0.0.{i}", "gpufleet_target": "h200-pd-1node",
+                    "gpufleet_workers": POOL["workers"]} for i, h in enumerate(names, 1)}
+    variables = {"groups": {"all": names, "ungrouped": [], "workers": names},
+                 "hostvars": hostvars}
+    lookup = LookupModule()
+    (first,) = lookup.run([], variables)
+    # as fab would have made it, with --set on top of the inventory
+    inputs = {**first["inputs"], "overrides": {**first["inputs"]["overrides"],
+                                               "args": {"decode": {"--max-num-seqs": 96}}}}
+    (again,) = lookup.run([], variables, inputs=inputs, quarantine=["lab3"])
+    assert again["quarantined"] == ["lab3"]
+    assert "lab3" not in again["hosts"] and set(first["hosts"]) == set(names)
+    kept = {p["name"] for p in again["processes"]}
+    assert kept == {p["name"] for p in first["processes"] if p["host"] != "lab3"}
+    decode = next(p for p in again["processes"] if p["name"] == "decode")
+    assert decode["argv"][decode["argv"].index("--max-num-seqs") + 1] == "96"
+    # what the deploy cannot do without stops it with the planner's reason
+    with pytest.raises(Exception, match="lab1 runs router, router-1"):
+        lookup.run([], variables, inputs=inputs, quarantine=["lab1"])

@@ -117,9 +117,23 @@ description:
     other hardware is refused. A host's C(gpufleet_host_python) is its Python version, which
     picks the engine environment's lock. A host's C(gpufleet_internal_address) (else its
     C(ansible_host), else its name) is the address the other hosts reach it at.
+  - >-
+    With C(quarantine) (a list of hosts) and C(inputs) (a plan's C(inputs): its target and
+    overrides, the command line's included), it plans again from those inputs with the hosts
+    left out of serving (C(gpufleet_quarantine)): a deploy does so for hosts that failed
+    before serving, where the plan can do without them.
 options:
   _terms:
     description: optional target name
+    required: false
+  quarantine:
+    description: hosts to leave out of serving
+    type: list
+    elements: str
+    required: false
+  inputs:
+    description: the plan's inputs (C(gpufleet_plan.inputs)) to plan again from
+    type: dict
     required: false
 """
 
@@ -176,9 +190,16 @@ class LookupModule(LookupBase):
             if key in variables and key not in inventory.vars:
                 inventory.vars[key] = variables[key]
         target = terms[0] if terms else variables.get("gpufleet_target")
+        inputs = kwargs.get("inputs")
         try:
-            name = cli.target_from(inventory, target)
-            overrides = cli.overrides_from(inventory, [], {})
+            if inputs:  # the plan made before, from the same inputs (fab's options too)
+                name, overrides = inputs["target"], dict(inputs["overrides"])
+            else:
+                name = cli.target_from(inventory, target)
+                overrides = cli.overrides_from(inventory, [], {})
+            if kwargs.get("quarantine") is not None:
+                overrides["quarantine"] = sorted(set(overrides.get("quarantine", []))
+                                                 | set(kwargs["quarantine"]))
             plan = cli.make_plan(name, inventory, overrides)
         except PlanError as exc:
             raise AnsibleError(f"gpufleet: refusing, nothing was changed:\n{exc}") from None

@@ -110,6 +110,12 @@ description:
     C(gpufleet_env) or C(--set) may change, once the reason the refusal quotes was read. It
     has no command-line option.
   - >-
+    C(gpufleet_quarantine) lists hosts to leave out of serving where the deployment can do
+    without them (a pool's worker whose pool keeps another, a whole replica), and
+    C(gpufleet_max_fail_percentage) (default 10) is the share of the hosts a deploy may
+    quarantine after they failed to prepare before it stops instead. Neither has a
+    command-line option.
+  - >-
     The planner also reads a few variables from the hosts' own variables alone, none of them
     an override and none with a command-line option. C(gpufleet_deployment) names the
     deployment on the controller (its API key file and its hosts record), by default the

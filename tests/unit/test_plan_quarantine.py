@@ -96,3 +96,20 @@ def test_a_deploy_plans_again_from_the_plans_own_inputs_with_the_failed_hosts_le
     # what the deploy cannot do without stops it with the planner's reason
     with pytest.raises(Exception, match="lab1 runs router, router-1"):
         lookup.run([], variables, inputs=inputs, quarantine=["lab1"])
+
+
+@pytest.mark.parametrize("value", [-1, 101, "many"])
+def test_a_bad_max_fail_percentage_is_refused(value):
+    with pytest.raises(PlanError) as err:
+        make_plan("h200-pd-1node", inv_mod.placeholder({"workers": 3}),
+                  {**POOL, "max_fail_percentage": value})
+    assert "max_fail_percentage" in str(err.value)
+
+
+def test_the_plan_says_its_bound_and_its_inputs():
+    plan = make_plan("h200-pd-1node", inv_mod.placeholder({"workers": 3}),
+                     {**POOL, "max_fail_percentage": 34})
+    data = plan.to_json()
+    assert data["max_fail_percentage"] == 34
+    assert data["inputs"] == {"target": "h200-pd-1node",
+                              "overrides": {**POOL, "max_fail_percentage": 34}}

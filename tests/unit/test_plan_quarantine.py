@@ -3,6 +3,8 @@ plan can do without it (a pool's worker, a whole replica), and refuses where it 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from gpufleet import inventory as inv_mod
@@ -74,14 +76,17 @@ def test_a_deploy_plans_again_from_the_plans_own_inputs_with_the_failed_hosts_le
     """lookup gpufleet_plan with quarantine and the plan's inputs: the same plan as before
     (the command line's overrides included, which the inventory does not hold) but for the
     hosts left out."""
-    from gpufleet.ansible_plugins.lookup.gpufleet_plan import LookupModule
+    from ansible.plugins.loader import lookup_loader
+
+    import gpufleet
 
     names = ["lab1", "lab2", "lab3"]
     hostvars = {h: {"ansible_host": f"10.0.0.{i}", "gpufleet_target": "h200-pd-1node",
                     "gpufleet_workers": POOL["workers"]} for i, h in enumerate(names, 1)}
     variables = {"groups": {"all": names, "ungrouped": [], "workers": names},
                  "hostvars": hostvars}
-    lookup = LookupModule()
+    lookup_loader.add_directory(str(Path(gpufleet.__file__).parent / "ansible_plugins" / "lookup"))
+    lookup = lookup_loader.get("gpufleet_plan")
     (first,) = lookup.run([], variables)
     # as fab would have made it, with --set on top of the inventory
     inputs = {**first["inputs"], "overrides": {**first["inputs"]["overrides"],
@@ -113,3 +118,34 @@ def test_the_plan_says_its_bound_and_its_inputs():
     assert data["max_fail_percentage"] == 34
     assert data["inputs"] == {"target": "h200-pd-1node",
                               "overrides": {**POOL, "max_fail_percentage": 34}}
+
+
+def test_the_tasks_that_act_on_a_deployment_leave_out_what_its_deploy_quarantined(
+        tmp_path, monkeypatch, capsys):
+    # fab status, logs, health, restart... plan from the controller's record of the last
+    # deploy (playbooks/serve.yml writes it): the hosts it quarantined stay out of them,
+    # and teardown takes them too
+    import json
+
+    from gpufleet import tasks
+    from gpufleet.plan import hosts_record_path
+
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "cfg"))
+    inv_dir = tmp_path / "prod"
+    (inv_dir / "group_vars").mkdir(parents=True)
+    (inv_dir / "hosts.yml").write_text(
+        "all:\n  children:\n    workers:\n      hosts: {w1: {}, w2: {}, w3: {}}\n")
+    (inv_dir / "group_vars" / "all.yml").write_text(
+        "gpufleet_target: h200-pd-1node\ngpufleet_workers: {prefill: 1, decode: 4}\n")
+    record = Path(hosts_record_path(inv_mod.load(str(inv_dir))))
+    record.parent.mkdir(parents=True)
+    record.write_text(json.dumps({"hosts": ["w1", "w2", "w3"], "target": "h200-pd-1node",
+                                  "options": [], "runtime": "venv", "quarantined": ["w3"]}))
+    serving = tasks._deployed(None, str(inv_dir))
+    assert serving.quarantined == ["w3"] and "w3" not in serving.hosts
+    assert "without w3, which that deploy quarantined" in capsys.readouterr().err
+    assert "w3" in tasks._deployed(None, str(inv_dir), serving=False).hosts
+    # a record from before quarantine existed (no key): every host
+    record.write_text(json.dumps({"hosts": ["w1", "w2", "w3"], "target": "h200-pd-1node",
+                                  "options": [], "runtime": "venv"}))
+    assert "w3" in tasks._deployed(None, str(inv_dir)).hosts

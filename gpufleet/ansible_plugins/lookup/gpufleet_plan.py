@@ -196,16 +196,17 @@ class LookupModule(LookupBase):
             if key in variables and key not in inventory.vars:
                 inventory.vars[key] = variables[key]
         target = terms[0] if terms else variables.get("gpufleet_target")
-        inputs = kwargs.get("inputs")
+        self.set_options(var_options=variables, direct=kwargs)
+        inputs, quarantine = self.get_option("inputs"), self.get_option("quarantine")
         try:
             if inputs:  # the plan made before, from the same inputs (fab's options too)
                 name, overrides = inputs["target"], dict(inputs["overrides"])
             else:
                 name = cli.target_from(inventory, target)
                 overrides = cli.overrides_from(inventory, [], {})
-            if kwargs.get("quarantine") is not None:
+            if quarantine is not None:
                 overrides["quarantine"] = sorted(set(overrides.get("quarantine", []))
-                                                 | set(kwargs["quarantine"]))
+                                                 | set(quarantine))
             plan = cli.make_plan(name, inventory, overrides)
         except PlanError as exc:
             raise AnsibleError(f"gpufleet: refusing, nothing was changed:\n{exc}") from None

@@ -39,6 +39,8 @@ INVENTORY_OVERRIDES = {
     "gpufleet_replicas": "replicas",
     "gpufleet_workers": "workers",
     "gpufleet_max_unavailable": "max_unavailable",
+    "gpufleet_quarantine": "quarantine",
+    "gpufleet_max_fail_percentage": "max_fail_percentage",
     "gpufleet_runtime": "runtime",
     "gpufleet_images": "images",
     "gpufleet_registry_mirror": "registry_mirror",
@@ -126,13 +128,16 @@ def target_from(inventory: inv_mod.Inventory | None, target: str | None) -> str:
 
 def build(target: str | None, inventory_path: str | None, with_: str = "",
           set_: list[str] | None = None, unset: list[str] | None = None,
-          runtime: str | None = None) -> Plan:
-    """The plan for command-line arguments. Raises PlanError / InventoryError."""
+          runtime: str | None = None, quarantine: list[str] | None = None) -> Plan:
+    """The plan for command-line arguments (QUARANTINE: hosts a deploy went on without).
+    Raises PlanError / InventoryError."""
     inventory = inv_mod.load(inventory_path) if inventory_path else None
     name = target_from(inventory, target)
     overrides = overrides_from(inventory, split_csv(with_), parse_set(set_ or [], unset or []))
     if runtime:
         overrides["runtime"] = runtime
+    if quarantine:
+        overrides["quarantine"] = sorted(set(overrides.get("quarantine", [])) | set(quarantine))
     return make_plan(name, inventory, overrides or None)
 
 

@@ -109,6 +109,11 @@ class Overrides(BaseModel):
     # how many workers of a pool a rolling restart takes out at once (plan._roll_batches):
     # a count or "N%" of the pool, for every pool or per role ({decode: 2, prefill: "25%"})
     max_unavailable: int | str | dict[str, int | str] = 1
+    # hosts left out of serving (plan._quarantine): a deploy quarantines a host that failed
+    # before serving (prepare, cache) where the plan can do without it; an operator may too
+    quarantine: list[str] = Field(default_factory=list)
+    # the share of the deployment's hosts a deploy may quarantine before it stops instead
+    max_fail_percentage: int = Field(10, ge=0, le=100)
     # the engine runtime (None: the hosts' vendor decides, catalog `runtimes`), the image
     # each engine runs from instead of the catalog's (engine -> reference), and a registry
     # that serves every image in place of its own (an air-gapped site's mirror)
@@ -536,6 +541,14 @@ class Plan:
     exposure: dict = field(default_factory=dict)
     # the metrics listener and the scrape targets (plan._monitoring)
     monitoring: dict = field(default_factory=dict)
+    # hosts left out of serving (Overrides.quarantine; plan._quarantine): no process, no
+    # router lists them; the deploy names them and ends non-zero, the retire play leaves
+    # them alone
+    quarantined: list[str] = field(default_factory=list)
+    # what it was made from, the command line's overrides included: {target, overrides}
+    # (a deploy plans again from them with a quarantine; lookup gpufleet_plan)
+    inputs: dict = field(default_factory=dict)
+    max_fail_percentage: int = 10  # Overrides.max_fail_percentage
 
     def by_role(self, role: str) -> list[Process]:
         return [p for p in self.processes if p.role == role]
@@ -575,6 +588,9 @@ class Plan:
             "hosts_record": self.hosts_record,
             "exposure": self.exposure,
             "monitoring": self.monitoring,
+            "quarantined": self.quarantined,
+            "max_fail_percentage": self.max_fail_percentage,
+            "inputs": self.inputs,
         }
 
 

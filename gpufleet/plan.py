@@ -303,7 +303,12 @@ def compose(
     revision = ov.model_revision or model.revision
     cache = _cache(ov, model, draft, revision, engine)
     processes, fronts = [], []
-    for replica in _place(target, topology, hardware, inventory, ov, pool, engine.router_ports):
+    replicas, problems = _quarantine(
+        _place(target, topology, hardware, inventory, ov, pool, engine.router_ports),
+        pool, ov.quarantine, inventory)
+    if problems:
+        raise PlanError(problems)
+    for replica in replicas:
         front = _front(replica)
         if ov.api_key:
             replica.append(_gateway(front))
@@ -330,7 +335,10 @@ def compose(
         warnings=[], options=list(ov.options), inventory=inventory.source,
         api=_api(ov, inventory, processes), endpoints=[_endpoint(f, ov) for f in fronts],
         hosts_record=hosts_record_path(inventory), pooled=ov.pooled,
-        lock_file=deploy_lock_path(inventory),
+        lock_file=deploy_lock_path(inventory), quarantined=sorted(set(ov.quarantine)),
+        max_fail_percentage=ov.max_fail_percentage,
+        inputs={"target": target.name,
+                "overrides": ov.model_dump(mode="json", exclude_defaults=True)},
     )
     plan.exposure = _exposure(processes)
     plan.monitoring = _monitoring(ov, inventory, target, processes)
@@ -474,6 +482,46 @@ def _place(target, topology, hardware, inventory, ov: Overrides,
                            router_ports=router_ports)
                 for host in inventory.group(group)]
     return [_place_one(target, topology, hardware, inventory, ov, None, pool, router_ports)]
+
+
+def _quarantine(replicas: list[list[Process]], pool: dict, hosts: list[str],
+                inventory) -> tuple[list[list[Process]], list[Problem]]:
+    """The copies with the quarantined hosts' processes left out, placed as if the hosts
+    served (the others keep their names and ports, so the host's return changes only the
+    routers' lists). Only what the deployment can serve without may go: a worker of a
+    pool that keeps another, or a whole replica where another remains; a host with a
+    router, a gateway, etcd, a single engine or a rank of a multi-node engine cannot."""
+    if not hosts:
+        return replicas, []
+    problems = [Problem("quarantine", f"{h} is not a host of the inventory",
+                        "name hosts of the inventory")
+                for h in hosts if h not in inventory.hosts]
+    workers = [role for role in pool if role in ENGINE_ROLES]  # the pools' roles
+    fix = "fix the host (the deploy's output names the step it failed) and deploy again"
+    kept = []
+    for replica in replicas:
+        left = [p for p in replica if p.host not in hosts]
+        if len(left) == len(replica):
+            kept.append(replica)
+            continue
+        if not left and len(replicas) > 1:  # a whole replica: the others serve
+            continue
+        needed: dict[str, list[str]] = {}
+        for p in replica:
+            if p.host in hosts and p.role not in workers:
+                needed.setdefault(p.host, []).append(p.name)
+        problems += [Problem("quarantine", f"{host} runs {', '.join(names)}, which the "
+                             "deployment cannot serve without", fix)
+                     for host, names in needed.items()]
+        for role in workers:
+            if not any(p.role == role for p in left):
+                problems.append(Problem(
+                    "quarantine", f"the {role} pool would keep no worker without "
+                    f"{', '.join(sorted(set(hosts)))}", fix))
+        kept.append(left)
+    if not kept:
+        problems.append(Problem("quarantine", "no replica would be left", fix))
+    return kept, problems
 
 
 def _role_gpus(spec, hardware, ov: Overrides) -> list[int]:

@@ -295,24 +295,25 @@ def inventory_task(**task_kw):
     return _with_options(("ask_vault_pass",), **task_kw)
 
 
-def _plan(target, inventory, with_="", set_=None, unset=None, runtime=None):
+def _plan(target, inventory, with_="", set_=None, unset=None, runtime=None, quarantine=None):
     if IN_CHECKOUT and Path(inventory).resolve() == (CHECKOUT / DEFAULT_INVENTORY).resolve() \
             and not (CHECKOUT / DEFAULT_INVENTORY / "hosts.yml").exists():
         fix = "bring the lab up first (fab lab.up) or pass" if LAB.is_dir() else "pass"
         raise Exit(f"gpufleet: the lab inventory does not exist yet. Fix: {fix} -i with your "
                    "inventory", code=2)
     try:
-        return cli.build(target, inventory, with_, set_, unset, runtime)
+        return cli.build(target, inventory, with_, set_, unset, runtime, quarantine)
     except (PlanError, InventoryError) as exc:
         raise Exit(f"gpufleet: refusing, nothing was changed:\n{exc}", code=2) from None
 
 
-def _deployed(target, inventory):
+def _deployed(target, inventory, serving=True):
     """The plan of what was last deployed to the inventory, for the tasks that act on a
     deployment (status, logs, health, smoke, endpoint, monitoring, restart, bench,
     teardown): with --target, that target; else the target and options the inventory's
     last deploy served (the controller's record of it), saying so, and the inventory's
-    gpufleet_target where none is recorded."""
+    gpufleet_target where none is recorded. With SERVING, the hosts that deploy
+    quarantined stay out (they serve nothing); teardown takes them too."""
     if target:
         return _plan(target, inventory)
     from gpufleet import inventory as inv_mod
@@ -326,8 +327,12 @@ def _deployed(target, inventory):
         return _plan(None, inventory)
     print(f"gpufleet: {record['target']}, as last deployed to {inventory} (--target for "
           "another)", file=sys.stderr)
+    quarantined = record.get("quarantined") if serving else None
+    if quarantined:
+        print(f"gpufleet: without {', '.join(quarantined)}, which that deploy quarantined",
+              file=sys.stderr)
     return _plan(record["target"], inventory, ",".join(record.get("options") or []),
-                 runtime=record.get("runtime"))
+                 runtime=record.get("runtime"), quarantine=quarantined)
 
 
 @contextlib.contextmanager
@@ -776,7 +781,7 @@ def teardown(c, target=None, inventory=DEFAULT_INVENTORY, purge_cache=False,
 
     The checkpoint cache and the engine image stay unless --purge-cache or
     --purge-images."""
-    p = _deployed(target, inventory)
+    p = _deployed(target, inventory, serving=False)
     if purge_cache and not (yes or check):
         models = ", ".join(f"{m['repo']} ({m['weight_gib']:g} GiB)" for m in p.cache["models"])
         _confirm(f"--purge-cache deletes {models} from {p.cache['path']} on "

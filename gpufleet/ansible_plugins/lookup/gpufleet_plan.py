@@ -110,6 +110,12 @@ description:
     C(gpufleet_env) or C(--set) may change, once the reason the refusal quotes was read. It
     has no command-line option.
   - >-
+    C(gpufleet_quarantine) lists hosts to leave out of serving where the deployment can do
+    without them (a pool's worker whose pool keeps another, a whole replica), and
+    C(gpufleet_max_fail_percentage) (default 10) is the share of the hosts a deploy may
+    quarantine after they failed to prepare before it stops instead. Neither has a
+    command-line option.
+  - >-
     The planner also reads a few variables from the hosts' own variables alone, none of them
     an override and none with a command-line option. C(gpufleet_deployment) names the
     deployment on the controller (its API key file and its hosts record), by default the
@@ -117,9 +123,23 @@ description:
     other hardware is refused. A host's C(gpufleet_host_python) is its Python version, which
     picks the engine environment's lock. A host's C(gpufleet_internal_address) (else its
     C(ansible_host), else its name) is the address the other hosts reach it at.
+  - >-
+    With C(quarantine) (a list of hosts) and C(inputs) (a plan's C(inputs): its target and
+    overrides, the command line's included), it plans again from those inputs with the hosts
+    left out of serving (C(gpufleet_quarantine)): a deploy does so for hosts that failed
+    before serving, where the plan can do without them.
 options:
   _terms:
     description: optional target name
+    required: false
+  quarantine:
+    description: hosts to leave out of serving
+    type: list
+    elements: str
+    required: false
+  inputs:
+    description: the plan's inputs (C(gpufleet_plan.inputs)) to plan again from
+    type: dict
     required: false
 """
 
@@ -176,9 +196,17 @@ class LookupModule(LookupBase):
             if key in variables and key not in inventory.vars:
                 inventory.vars[key] = variables[key]
         target = terms[0] if terms else variables.get("gpufleet_target")
+        self.set_options(var_options=variables, direct=kwargs)
+        inputs, quarantine = self.get_option("inputs"), self.get_option("quarantine")
         try:
-            name = cli.target_from(inventory, target)
-            overrides = cli.overrides_from(inventory, [], {})
+            if inputs:  # the plan made before, from the same inputs (fab's options too)
+                name, overrides = inputs["target"], dict(inputs["overrides"])
+            else:
+                name = cli.target_from(inventory, target)
+                overrides = cli.overrides_from(inventory, [], {})
+            if quarantine is not None:
+                overrides["quarantine"] = sorted(set(overrides.get("quarantine", []))
+                                                 | set(quarantine))
             plan = cli.make_plan(name, inventory, overrides)
         except PlanError as exc:
             raise AnsibleError(f"gpufleet: refusing, nothing was changed:\n{exc}") from None

@@ -121,6 +121,9 @@ def test_without_the_tool_call_parser_the_smoke_test_names_it(lab):
     assert "tool_call failed" in proc.stdout and "--tool-call-parser glm47" in proc.stdout
 
 
+# --slow (about 90 s): test_scale_out kills a decode worker and sees it back in its pool, and
+# test_image_runtime kills a containerized engine and sees health green again, every run
+@pytest.mark.slow
 def test_a_killed_engine_is_restarted_and_health_returns_to_green(lab):
     deployed("h200-pd-1node")
     pid = units("h200-pd-1node")["gpufleet-decode.service"]["main_pid"]

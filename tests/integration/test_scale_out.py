@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from labutil import fab, lab_inventory, main_pids, recap, ssh
+from labutil import changed_tasks, fab, lab_inventory, main_pids, recap, ssh
 from openai import DefaultHttpxClient, OpenAI
 
 from gpufleet_lab import net
@@ -85,6 +85,20 @@ def test_one_endpoint_spreads_requests_over_every_worker(pool):
     after = {w: served(w) for w in WORKERS}
     # round robin: each prefill and each decode finished some of the 8
     assert all(after[w] > before[w] for w in WORKERS), (before, after)
+
+
+def test_a_rerun_changes_nothing_on_any_host_nor_the_controller(pool):
+    """A no-op deploy of a deployment over two hosts: nothing changes on either host or on
+    the controller (the deployment's record once went through an unordered set and was
+    rewritten on every run), and no unit restarts."""
+    inv, _ = pool
+    before = {h: main_pids(h) for h in ("lab1", "lab2")}
+    proc = fab("deploy", "-i", inv)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    counts = recap(proc.stdout)
+    assert {h: counts[h]["changed"] for h in ("lab1", "lab2", "localhost")} == \
+        {"lab1": 0, "lab2": 0, "localhost": 0}, changed_tasks(proc.stdout, "localhost")
+    assert {h: main_pids(h) for h in ("lab1", "lab2")} == before
 
 
 def test_a_killed_decode_worker_leaves_the_pool_within_seconds(pool):

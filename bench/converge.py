@@ -16,6 +16,15 @@ target (default h200-pd-1node) is deployed as replicas, one copy per host:
   the issue asks to weigh; installed from PyPI into .cache/mitogen, never used by fab
 - change cost: one flag changed on decode; units restarted and wall time
 - fleet health: `fab health` over all hosts
+- `fab deploy` as a user runs it, a no-op: wall, and the CPU of fab and everything it
+  starts (ansible-playbook, its workers, the SSH clients and their shared masters),
+  counted by a cpuacct cgroup the command starts in; with `fab plan`'s own cost (its
+  start, imports and planning) at each size, and a profile of it at the largest
+- the planner alone on placeholder inventories of 16, 100 and 1,000 hosts (no lab)
+
+From the `fab deploy` no-op at each size, a least-squares line (fixed + per host) gives
+the projection to 100 and 1,000 hosts. `--noop-only` skips the change, health, defaults
+and Mitogen runs (the first deploy of each size still comes first).
 
 Each no-op run also records CPU seconds: the controller's (ansible-playbook, its
 workers and ssh clients) and the whole machine's; on this machine the lab hosts share
@@ -23,7 +32,8 @@ the controller's cores, so what grows with N is told apart from what would run o
 hosts' own CPUs in a real fleet.
 
     python bench/converge.py [--sizes 1,4,8,16] [--defaults-at 1,4]
-                             [--mitogen-at 1,16] [--out bench/results/converge.json]
+                             [--mitogen-at 1,16] [--noop-only]
+                             [--out bench/results/converge.json]
 
 Needs root (the lab). Leaves the lab up with the largest size.
 """
@@ -73,6 +83,102 @@ def controller_cpu_s() -> float:
 
 
 LAST_CPU: dict[str, float] = {}
+CPUACCT = Path("/sys/fs/cgroup/cpuacct")
+
+
+def in_cgroup(cmd: list[str], env: dict | None = None) -> tuple[float, float, str]:
+    """Run CMD (checked) in a cgroup of its own: (wall s, CPU s of it and everything it
+    started, daemonized SSH masters included, output). Without cgroup v1's cpuacct, the
+    CPU of the children waited for (RUSAGE_CHILDREN), which misses the SSH masters."""
+    group = CPUACCT / f"gpufleet-bench-{os.getpid()}"
+    if CPUACCT.is_dir():
+        group.mkdir(exist_ok=True)
+        (group / "cpuacct.usage").write_text("0")
+
+    def enter() -> None:
+        if group.is_dir():
+            (group / "cgroup.procs").write_text(str(os.getpid()))
+
+    t0, c0 = time.monotonic(), controller_cpu_s()
+    proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "NO_COLOR": "1", **(env or {})},
+                          capture_output=True, text=True, check=False, preexec_fn=enter)
+    took = time.monotonic() - t0
+    if group.is_dir():
+        cpu = int((group / "cpuacct.usage").read_text()) / 1e9
+        for pid in (group / "cgroup.procs").read_text().split():  # SSH masters: let go
+            (CPUACCT / "cgroup.procs").write_text(pid)
+        group.rmdir()
+    else:
+        cpu = controller_cpu_s() - c0
+    if proc.returncode != 0:
+        sys.exit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
+                 f"{proc.stderr[-2000:]}")
+    return took, cpu, proc.stdout + proc.stderr
+
+
+def fab_costs(inv: str, n: int, profile: bool) -> dict:
+    """`fab deploy` as a no-op, and `fab plan` alone (start, imports, planning)."""
+    # the SSH masters the runs before left (ControlPersist) would carry fab's SSH work
+    # outside its cgroup: fab starts its own, as after a pause of two minutes
+    subprocess.run(["pkill", "-f", r"^ssh: .*\[mux\]"], check=False)
+    took, cpu, out = in_cgroup([str(BIN / "fab"), "deploy", "-i", inv])
+    plan_s, plan_cpu, _ = in_cgroup([str(BIN / "fab"), "plan", "-i", inv, "--format", "json"])
+    start_s, start_cpu, _ = in_cgroup([str(BIN / "fab"), "--list"])
+    result = {"fab_noop_s": round(took, 1), "fab_noop_cpu_s": round(cpu, 1),
+              "fab_noop_changed": changed(out),
+              "fab_noop_tasks_per_host": max(v for h, v in tasks_per_host(out).items()
+                                             if h != "localhost"),
+              "fab_plan_s": round(plan_s, 2), "fab_plan_cpu_s": round(plan_cpu, 2),
+              "fab_start_s": round(start_s, 2), "fab_start_cpu_s": round(start_cpu, 2)}
+    log(f"{n}: fab deploy no-op {took:.1f}s, {cpu:.1f} CPU-s (fab and all it started); "
+        f"fab plan {plan_s:.2f}s, fab's start {start_s:.2f}s")
+    if profile:
+        result["fab_plan_profile"] = profile_plan(inv)
+    return result
+
+
+def profile_plan(inv: str, top: int = 12) -> list[tuple[str, float]]:
+    """Where `fab plan` spends its time: cProfile's cumulative seconds of the gpufleet and
+    invoke functions and the imports, largest first."""
+    import pstats
+
+    with tempfile.NamedTemporaryFile(suffix=".prof") as prof:
+        subprocess.run([str(BIN / "python"), "-m", "cProfile", "-o", prof.name,
+                        str(BIN / "fab"), "plan", "-i", inv, "--format", "json"],
+                       cwd=ROOT, capture_output=True, check=True)
+        stats = pstats.Stats(prof.name).stats
+    rows = []
+    for (path, line, func), (_, _, _, cum, _) in stats.items():
+        if "/gpufleet/" in path or func == "_find_and_load":  # all imports, nested
+            rows.append((f"{Path(path).name}:{line}({func})", round(cum, 3)))
+    return sorted(rows, key=lambda r: -r[1])[:top]
+
+
+def plan_at_scale(sizes: tuple[int, ...] = (16, 100, 1000)) -> dict[str, float]:
+    """The planner alone (make_plan in this process), one replica per placeholder host."""
+    from gpufleet import inventory as inv_mod
+    from gpufleet.plan import make_plan
+
+    out = {}
+    for n in sizes:
+        inv = inv_mod.placeholder({"workers": n})
+        t0 = time.process_time()
+        make_plan(TARGET, inv, {"replicas": True})
+        out[str(n)] = round(time.process_time() - t0, 3)
+    log(f"planner alone, CPU s by hosts: {out}")
+    return out
+
+
+def projection(results: list[dict], key: str) -> dict:
+    """Least squares over the sizes: fixed + per_host * hosts, and 100 and 1,000 hosts."""
+    xs = [r["hosts"] for r in results]
+    ys = [r[key] for r in results]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    var = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var if var else 0.0
+    fixed = my - slope * mx
+    return {"fixed": round(fixed, 2), "per_host": round(slope, 3),
+            "at_100": round(fixed + slope * 100, 1), "at_1000": round(fixed + slope * 1000, 1)}
 
 
 def run(cmd: list[str], env: dict | None = None, check: bool = True) -> tuple[float, str]:
@@ -176,7 +282,8 @@ def main_pids(hosts: list[str]) -> dict[str, str]:
 
 
 def bench_size(n: int, workdir: Path, with_defaults: bool, with_mitogen: bool,
-               first_only: bool = False) -> dict:
+               first_only: bool = False, noop_only: bool = False,
+               profile: bool = False) -> dict:
     log(f"lab with {n} host(s)")
     run([str(BIN / "fab"), "lab.up", "--hosts", str(n)])
     inv = inventory(workdir, n)
@@ -202,6 +309,9 @@ def bench_size(n: int, workdir: Path, with_defaults: bool, with_mitogen: bool,
     log(f"{n}: no-op re-run {noop:.1f}s, changed={result['noop_changed']}, "
         f"{result['noop_tasks_per_host']} tasks per host, "
         f"{result['noop_controller_cpu_per_host_s']} controller CPU-s per host")
+    result.update(fab_costs(inv, n, profile))
+    if noop_only:
+        return result
     if with_defaults:
         slow, out = site(inv, defaults_cfg(workdir), profile=True)  # as ours: same callback
         result.update(noop_rerun_defaults_s=round(slow, 1),
@@ -234,11 +344,13 @@ def main() -> int:
     p.add_argument("--mitogen-at", default="1,16", help="sizes that also run Mitogen")
     p.add_argument("--first-only", action="store_true",
                    help="only the first deploy of each size; prints JSON, writes nothing")
+    p.add_argument("--noop-only", action="store_true",
+                   help="after each first deploy, only the no-ops (Ansible's and fab's)")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "converge.json"))
     args = p.parse_args()
     sizes = [int(x) for x in args.sizes.split(",")]
-    with_defaults = {int(x) for x in args.defaults_at.split(",") if x}
-    with_mitogen = {int(x) for x in args.mitogen_at.split(",") if x}
+    with_defaults = {int(x) for x in args.defaults_at.split(",") if x and not args.noop_only}
+    with_mitogen = {int(x) for x in args.mitogen_at.split(",") if x and not args.noop_only}
     results = []
     partial = Path(args.out).with_suffix(".partial.json")
     if args.first_only:
@@ -248,7 +360,8 @@ def main() -> int:
         return 0
     with tempfile.TemporaryDirectory(prefix="gpufleet-bench-") as tmp:
         for n in sizes:
-            results.append(bench_size(n, Path(tmp), n in with_defaults, n in with_mitogen))
+            results.append(bench_size(n, Path(tmp), n in with_defaults, n in with_mitogen,
+                                      noop_only=args.noop_only, profile=n == max(sizes)))
             partial.write_text(json.dumps(results, indent=2) + "\n")  # kept if a size fails
     partial.unlink()
     base, top = results[0], results[-1]
@@ -269,7 +382,36 @@ def main() -> int:
         "goal_config_speedup_min": 2.0,
         "goal_overhead_max_s": 120,
         "goal_fleet_health_max_s": 3.0,
+        # fab deploy, a no-op, as a user runs it: fab and everything it starts
+        "fab_noop_wall_projection_s": projection(results, "fab_noop_s"),
+        "fab_noop_cpu_projection_s": projection(results, "fab_noop_cpu_s"),
+        "fab_noop_cpu_per_added_host_s": round(
+            (top["fab_noop_cpu_s"] - base["fab_noop_cpu_s"]) / max(1, top["hosts"] - base["hosts"]),
+            2),
+        "goal_fab_noop_one_host_max_s": 10.0,
+        "planner_alone_cpu_s": plan_at_scale(),
     }
+    print(f"{'hosts':>5} {'first':>8} {'fab no-op':>9} {'fab CPU':>8} {'tasks/host':>10} "
+          f"{'fab plan':>8} {'fab start':>9}")
+    for r in results:
+        print(f"{r['hosts']:>5} {r['first_deploy_s']:>7.1f}s {r['fab_noop_s']:>8.1f}s "
+              f"{r['fab_noop_cpu_s']:>7.1f}s {r['fab_noop_tasks_per_host']:>10} "
+              f"{r['fab_plan_s']:>7.2f}s {r['fab_start_s']:>8.2f}s")
+    wall, cpu = summary["fab_noop_wall_projection_s"], summary["fab_noop_cpu_projection_s"]
+    print(f"fab deploy no-op: {cpu['per_host']} CPU-s per added host (goal <= 1.0), "
+          f"{base['fab_noop_s']} s at {base['hosts']} host(s) (goal <= 10)")
+    print(f"projected: wall {wall['at_100']} s at 100 hosts, {wall['at_1000']} s at 1,000; "
+          f"CPU {cpu['at_100']} s at 100, {cpu['at_1000']} s at 1,000")
+    print(f"the planner alone, CPU s by hosts: {summary['planner_alone_cpu_s']}")
+    if top.get("fab_plan_profile"):
+        print(f"fab plan at {top['hosts']} hosts, cumulative s:")
+        for name, sec in top["fab_plan_profile"]:
+            print(f"  {sec:>7.3f}  {name}")
+    if args.noop_only:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(summary, indent=2) + "\n")
+        print(f"wrote {args.out}")
+        return 0
     nan = float("nan")
     print(f"{'hosts':>5} {'first':>8} {'engines':>8} {'overhead':>8} {'no-op':>7} "
           f"{'cpu ctl/all':>12} {'defaults':>8} {'speedup':>7} {'mitogen':>7} "

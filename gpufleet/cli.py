@@ -137,8 +137,15 @@ def build(target: str | None, inventory_path: str | None, with_: str = "",
     if runtime:
         overrides["runtime"] = runtime
     if quarantine:
-        overrides["quarantine"] = sorted(set(overrides.get("quarantine", [])) | set(quarantine))
+        quarantined(overrides, quarantine)
     return make_plan(name, inventory, overrides or None)
+
+
+def quarantined(overrides: dict, hosts: list[str]) -> dict:
+    """OVERRIDES with HOSTS added to the hosts left out of serving (gpufleet_quarantine):
+    what a deploy quarantined, on top of what the inventory leaves out."""
+    overrides["quarantine"] = sorted(set(overrides.get("quarantine", [])) | set(hosts))
+    return overrides
 
 
 def targets_table() -> list[dict]:

@@ -205,8 +205,7 @@ class LookupModule(LookupBase):
                 name = cli.target_from(inventory, target)
                 overrides = cli.overrides_from(inventory, [], {})
             if quarantine is not None:
-                overrides["quarantine"] = sorted(set(overrides.get("quarantine", []))
-                                                 | set(quarantine))
+                cli.quarantined(overrides, quarantine)
             plan = cli.make_plan(name, inventory, overrides)
         except PlanError as exc:
             raise AnsibleError(f"gpufleet: refusing, nothing was changed:\n{exc}") from None

@@ -132,6 +132,39 @@ def test_a_killed_decode_worker_leaves_the_pool_within_seconds(pool):
     assert served("decode-1") > before, "the restarted decode-1 got no request back"
 
 
+def restarted(host: str, unit: str) -> str:
+    """Restart the unit and wait until its engine serves again: its journal since then."""
+    since = time.time()
+    ssh(host, f"systemctl restart {unit}", check=True)
+    deadline = time.monotonic() + 60
+    while not any("startup complete" in m for _, m in unit_events(host, unit, since - 1)):
+        assert time.monotonic() < deadline, f"{host}: {unit} did not serve again"
+        time.sleep(0.5)
+    return ssh(host, f"journalctl -u {unit} --since=@{math.floor(since)} -o cat --no-pager")
+
+
+def test_a_worker_on_another_host_loads_what_the_first_compiled(pool):
+    """The compile cache is on the shared cache, one directory per engine build and GPU
+    type: lab1's decode worker compiles its graphs into it, and lab2's, of the same build
+    and configuration, loads them instead of compiling."""
+    inv, client = pool
+    plan = json.loads(fab("plan", "-i", inv, "--format", "json").stdout)
+    root = plan["cache"]["compile"] + "/vllm/torch_compile_cache"
+    assert plan["cache"]["compile"].endswith("/compile/vllm-0.33.0-h200")
+    ssh("lab1", f"rm -rf {root}", check=True)  # nothing compiled yet
+    first = restarted("lab1", "gpufleet-decode.service")
+    assert f"Using cache directory: {root}/" in first and "Compiling a graph" in first, first
+    graphs = ssh("lab2", f"cat {root}/*/rank_0_0/gpufleet-lab-graph.json", check=True)
+    assert json.loads(graphs)["host"] == "lab1"  # seen from lab2: the cache is shared
+    second = restarted("lab2", "gpufleet-decode-1.service")
+    assert "Directly load the compiled graph(s)" in second and "Compiling" not in second, second
+    # both back in their pools
+    deadline = time.monotonic() + 30
+    while not all(ask(client, i) for i in range(4)):
+        assert time.monotonic() < deadline, "the pool did not serve again"
+        time.sleep(1)
+
+
 def under_load(client, action, model: str = "zai-org/GLM-5.3-Flash") -> tuple[object, list[bool]]:
     """action() while 4 clients send one request after the other; (its result, each
     request's success)."""
@@ -326,54 +359,67 @@ def unit_events(host: str, unit: str, since: float) -> list[tuple[float, str]]:
     return events
 
 
-def test_a_pool_rolls_two_workers_at_a_time_under_load_and_loses_nothing(pool):
-    """gpufleet_max_unavailable {decode: 2} on one prefill and three decode workers (TP4,
-    as many as two 8-GPU hosts take): a deploy that changes the decode flag restarts them
-    in two batches, the first two workers (one per host) out of the routers' pools and
-    restarting together, the third only once both serve again; 0 failed requests under
-    load. fab restart --role decode rolls them the same way."""
-    inv, client = pool
-    hosts_yml = Path(inv) / "hosts.yml"  # both hosts (a --slow test before retires lab2)
+# the plan's order alternates the hosts: the first batch of decode workers is one on each
+BATCHES = [[("lab1", "gpufleet-decode.service"), ("lab2", "gpufleet-decode-1.service")],
+           [("lab2", "gpufleet-decode-2.service")]]
+DECODES = [u for batch in BATCHES for u in batch]
+
+
+def rolled_in_batches(before: dict, action: str, since: float) -> None:
+    """The decode workers restarted by ACTION since SINCE in BATCHES: each once, a batch
+    together, the next only once the one before serves; the prefill and gateway not."""
+    after = {h: main_pids(h) for h in ADDRESS}
+    for host, unit in (("lab1", "gpufleet-prefill.service"),
+                       ("lab1", "gpufleet-gateway.service")):
+        assert after[host][unit] == before[host][unit], f"{action}: {unit} restarted"
+    # every stop and start of each worker during the action (systemd's own lines)
+    events = {u: unit_events(h, u, since) for h, u in DECODES}
+    told = f"{action}: " + "; ".join(f"{u}: {e}" for u, e in events.items())
+    stops = {u: [t for t, m in e if m.startswith("Stopping")] for u, e in events.items()}
+    starts = {u: [t for t, m in e if m.startswith("Started")] for u, e in events.items()}
+    served = {u: [t for t, m in e if "startup complete" in m] for u, e in events.items()}
+    # each restarted once by the roll, and nothing else (no crash, no second restart)
+    assert all(len(stops[u]) == len(starts[u]) == len(served[u]) == 1
+               for _, u in DECODES), told
+    assert all(after[h][u] != before[h][u] for h, u in DECODES), told
+    first, second = ([u for _, u in batch] for batch in BATCHES)
+    # a batch together: all its workers stopped before any served again; the next batch
+    # only once every worker of the one before serves
+    assert max(stops[u][0] for u in first) < min(served[u][0] for u in first), told
+    assert max(served[u][0] for u in first) < min(stops[u][0] for u in second), told
+
+
+def four_workers(inv: str, flags: bool = False) -> dict:
+    """The pool at one prefill and three decode workers over lab1 and lab2, two decode at
+    a time (a --slow test before may have retired lab2), deployed; its variables. Without
+    FLAGS, the catalog's flags (a test before may have changed one)."""
+    hosts_yml = Path(inv) / "hosts.yml"
     hosts = yaml.safe_load(hosts_yml.read_text())
     hosts["all"]["children"]["workers"] = {"hosts": {"lab1": {}, "lab2": {}}}
     hosts_yml.write_text(yaml.safe_dump(hosts))
     all_yml = Path(inv) / "group_vars" / "all.yml"
     values = yaml.safe_load(all_yml.read_text())
-    values.pop("gpufleet_args", None)  # a --slow test before changed a flag
-    four = {**values, "gpufleet_workers": {"prefill": 1, "decode": 3},
+    four = {k: v for k, v in values.items() if flags or k != "gpufleet_args"}
+    four = {**four, "gpufleet_workers": {"prefill": 1, "decode": 3},
             "gpufleet_max_unavailable": {"decode": 2}}
-    all_yml.write_text(yaml.safe_dump(four))
-    proc = fab("deploy", "-i", inv)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    # the plan's order alternates the hosts: the first batch is one worker on each
-    batches = [[("lab1", "gpufleet-decode.service"), ("lab2", "gpufleet-decode-1.service")],
-               [("lab2", "gpufleet-decode-2.service")]]
-    decodes = [u for batch in batches for u in batch]
+    if four != values:
+        all_yml.write_text(yaml.safe_dump(four))
+        proc = fab("deploy", "-i", inv)
+        assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    return four
 
-    def rolled_in_batches(before: dict, action: str, since: float) -> None:
-        after = {h: main_pids(h) for h in ADDRESS}
-        for host, unit in (("lab1", "gpufleet-prefill.service"),
-                           ("lab1", "gpufleet-gateway.service")):
-            assert after[host][unit] == before[host][unit], f"{action}: {unit} restarted"
-        # every stop and start of each worker during the action (systemd's own lines)
-        events = {u: unit_events(h, u, since) for h, u in decodes}
-        told = f"{action}: " + "; ".join(f"{u}: {e}" for u, e in events.items())
-        stops = {u: [t for t, m in e if m.startswith("Stopping")] for u, e in events.items()}
-        starts = {u: [t for t, m in e if m.startswith("Started")] for u, e in events.items()}
-        served = {u: [t for t, m in e if "startup complete" in m] for u, e in events.items()}
-        # each restarted once by the roll, and nothing else (no crash, no second restart)
-        assert all(len(stops[u]) == len(starts[u]) == len(served[u]) == 1
-                   for _, u in decodes), told
-        assert all(after[h][u] != before[h][u] for h, u in decodes), told
-        first, second = ([u for _, u in batch] for batch in batches)
-        # a batch together: all its workers stopped before any served again; the next batch
-        # only once every worker of the one before serves
-        assert max(stops[u][0] for u in first) < min(served[u][0] for u in first), told
-        assert max(served[u][0] for u in first) < min(stops[u][0] for u in second), told
 
+def test_a_pool_rolls_two_workers_at_a_time_under_load_and_loses_nothing(pool):
+    """gpufleet_max_unavailable {decode: 2} on one prefill and three decode workers (TP4,
+    as many as two 8-GPU hosts take): a deploy that changes the decode flag restarts them
+    in two batches, the first two workers (one per host) out of the routers' pools and
+    restarting together, the third only once both serve again; 0 failed requests under
+    load."""
+    inv, client = pool
+    four = four_workers(inv)
     before = {h: main_pids(h) for h in ADDRESS}
     changed = {**four, "gpufleet_args": {"decode": {"--max-num-seqs": 96}}}
-    all_yml.write_text(yaml.safe_dump(changed))
+    (Path(inv) / "group_vars" / "all.yml").write_text(yaml.safe_dump(changed))
     started, since = time.monotonic(), time.time()
     proc, results = under_load(client, lambda: fab("deploy", "-i", inv))
     took = time.monotonic() - started
@@ -386,6 +432,13 @@ def test_a_pool_rolls_two_workers_at_a_time_under_load_and_loses_nothing(pool):
           f"{len(results)} failed, {took:.0f} s")
     assert len(results) > 100 and failed == 0, (failed, len(results))
 
+
+@pytest.mark.slow  # about 70 s: the deploy above rolls the workers the same way
+def test_fab_restart_rolls_two_workers_at_a_time_under_load_and_loses_nothing(pool):
+    """fab restart --role decode rolls the workers in the batches a deploy does, even a
+    unit whose crash-loop limit is used up, and leaves the gateway alone."""
+    inv, client = pool
+    four_workers(inv, flags=True)
     # a deliberate restart must start a unit whose crash-loop limit is used up; the last
     # of those restarts serves (2 s) before the roll's window opens
     use_up_start_limit("lab2", "gpufleet-decode-1.service")
@@ -411,17 +464,7 @@ def test_a_failed_canary_stops_the_roll_with_the_later_workers_serving(pool):
     restart stops there, names the batch and the fix, and leaves the later batch's worker
     serving as it was; requests go on to the workers that serve."""
     inv, client = pool
-    all_yml = Path(inv) / "group_vars" / "all.yml"
-    values = yaml.safe_load(all_yml.read_text())
-    if values.get("gpufleet_workers") != {"prefill": 1, "decode": 3}:  # run alone
-        hosts_yml = Path(inv) / "hosts.yml"
-        hosts = yaml.safe_load(hosts_yml.read_text())
-        hosts["all"]["children"]["workers"] = {"hosts": {"lab1": {}, "lab2": {}}}
-        hosts_yml.write_text(yaml.safe_dump(hosts))
-        all_yml.write_text(yaml.safe_dump({**values, "gpufleet_workers": {
-            "prefill": 1, "decode": 3}, "gpufleet_max_unavailable": {"decode": 2}}))
-        proc = fab("deploy", "-i", inv)
-        assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    four_workers(inv, flags=True)
     # lab1's decode worker cannot start again (as with a broken engine environment)
     broken = "/run/systemd/system/gpufleet-decode.service.d"
     ssh("lab1", f"mkdir -p {broken} && printf '[Service]\\nExecStartPre=/bin/false\\n' "

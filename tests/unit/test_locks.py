@@ -187,7 +187,7 @@ def test_every_lock_is_its_whole_closure(engine, arch, python, index_files):
     version, none needed by nothing (the locks install with --no-deps, so nothing else
     would say so)."""
     lock = lock_of(engine, arch, python)
-    found = lockfile.closure(lock, lockfile.requires_of(lock, index_files, workers=16))
+    found = lockfile.closure(lock, lockfile.requires_of(lock, index_files, workers=32))
     assert found == {"missing": [], "mismatched": [], "unreached": []}, (
         f"{lock.path.name}: {found}. Fix: run scripts/lock")
 

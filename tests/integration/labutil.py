@@ -12,6 +12,7 @@ import shutil
 import ssl
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -70,6 +71,22 @@ def http_status(url: str, headers: dict | None = None, context=None, timeout=10)
 def playbook(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([str(BIN / "ansible-playbook"), *args], cwd=ROOT,
                           capture_output=True, text=True, env=ENV, timeout=900, check=False)
+
+
+def runner_job(private_dir: Path, inventory: str, *cmdline: str, playbook_name="site.yml"):
+    """The playbook as AWX and Automation Platform run a job: through ansible-runner's
+    Python API, the repository as the project directory (its ansible.cfg read from there),
+    the job's own private data directory. (status, rc, output, started, ended): the wall
+    clock at its start and end, to show jobs side by side."""
+    import ansible_runner
+
+    started = time.time()
+    run = ansible_runner.run(
+        private_data_dir=str(private_dir), project_dir=str(ROOT), playbook=playbook_name,
+        inventory=inventory, cmdline=" ".join(cmdline) or None, quiet=True, timeout=900,
+        envvars={"PATH": ENV["PATH"], "NO_COLOR": "1", "ANSIBLE_FORCE_COLOR": "0",
+                 "ANSIBLE_STDOUT_CALLBACK": "gpufleet.fleet.gpufleet"})
+    return run.status, run.rc, run.stdout.read(), started, time.time()
 
 
 def ssh(host: str, command: str, check: bool = False) -> str:

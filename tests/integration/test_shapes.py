@@ -35,7 +35,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from labutil import ROOT, fab, lab_inventory, playbook, ssh
+from labutil import ROOT, fab, lab_inventory, runner_job, ssh
 
 from gpufleet import catalog as cat
 from gpufleet import shapes
@@ -60,6 +60,8 @@ LANES = 6
 # (nine side by side on two cores did)
 DEPLOYING = threading.BoundedSemaphore(LANES)
 TESTS = ("test_the_shape_deploys_and_keeps_its_promises", "test_every_target_deploys")
+# every lane's successful jobs: lane, case, hosts, plan, started, ended (wall clock)
+JOBS: list[dict] = []
 
 
 def _shape_params():
@@ -178,11 +180,14 @@ def deploy_and_check(case: shapes.Case, hosts: tuple[str, str], lane: int, prepa
     phases = ("--skip-tags", "smoke,health") if not kinds <= prepared else \
         ("--tags", "cache,serve,verify") if not fetched <= prepared else \
         ("--tags", "serve,verify")
+    # as AWX runs a job: ansible-runner, a private data directory of the job's own
     with DEPLOYING:
-        run = playbook("-i", inv, "site.yml", *phases)
-    assert run.returncode == 0, f"site.yml {' '.join(phases)}:\n" + run.stdout[-6000:]
+        status, rc, output, started, ended = runner_job(tmp_path / "job", inv, *phases)
+    assert (status, rc) == ("successful", 0), f"site.yml {' '.join(phases)}:\n" + output[-6000:]
+    JOBS.append({"lane": lane, "case": case.name, "hosts": hosts, "plan": plan,
+                 "started": started, "ended": ended})
     prepared.update(kinds | fetched)
-    assert "Verify | Units | Every unit active, running and not restarted" in run.stdout
+    assert "Verify | Units | Every unit active, running and not restarted" in output
 
     endpoints = plan["endpoints"] or [plan["endpoint"]]
     key = Path(plan["api"]["key_file"]).read_text().strip() \
@@ -281,3 +286,42 @@ def test_the_shape_deploys_and_keeps_its_promises(name, outcomes):
 @pytest.mark.parametrize("name", _target_params())
 def test_every_target_deploys(name, outcomes):
     _verdict(outcomes, name)
+
+
+def test_the_lanes_jobs_ran_side_by_side_without_interfering(outcomes):
+    """A site splits its fleet into deployments (one inventory each) run as parallel jobs
+    (docs/awx.md): the lanes' jobs ran at once, and each lane's deployment holds only what
+    its own plan put there: its hosts run exactly the units of its last deploy, the
+    controller's record of it names only its hosts, and its endpoint refuses another
+    deployment's key."""
+    lanes = sorted({j["lane"] for j in JOBS})
+    if len(lanes) < 2:
+        pytest.skip("fewer than two lanes deployed (a subset of the cases was selected)")
+    # at some moment, jobs of two lanes or more were running
+    moments = sorted(t for j in JOBS for t in (j["started"], j["ended"]))
+    at_once = max(sum(j["started"] <= t < j["ended"] for j in JOBS) for t in moments)
+    assert at_once >= 2, [(j["lane"], j["started"], j["ended"]) for j in JOBS]
+    last = {lane: [j for j in JOBS if j["lane"] == lane][-1] for lane in lanes}
+    keys = {lane: Path(j["plan"]["api"]["key_file"]).read_text().strip()
+            for lane, j in last.items() if j["plan"]["api"]["key_required"]}
+    assert len(set(keys.values())) == len(keys), "two deployments share a key"
+    for lane, job in last.items():
+        plan = job["plan"]
+        for host in job["hosts"]:
+            units = ssh(host, "systemctl list-units --plain --no-legend "
+                              "--state=active,activating 'gpufleet-*.service' "
+                              "| awk '{print $1}'")
+            # the host's own (the lab's hardware, the metrics listener, the health checker)
+            mine = {p["unit"] for p in plan["processes"] if p["host"] == host} | {
+                "gpufleet-metrics.service", "gpufleet-health-watch.service"}
+            theirs = {u for u in units.split() if not u.startswith("gpufleet-lab-")} - mine
+            assert theirs == set(), f"lane {lane} ({job['case']}): {host} runs {theirs}"
+        record = json.loads(Path(plan["hosts_record"]).read_text())
+        assert set(record["hosts"]) <= set(job["hosts"]), (lane, record)
+        tls = plan["api"].get("tls")
+        context = ssl.create_default_context(cafile=tls["ca_file"]) if tls else None
+        for other, key in keys.items():
+            if other != lane and plan["api"]["key_required"]:
+                endpoint = (plan["endpoints"] or [plan["endpoint"]])[0]
+                got = _status(endpoint + "/models", key, context)
+                assert got in (401, 403), f"lane {lane} took lane {other}'s key: {got}"

@@ -301,7 +301,7 @@ def compose(
     if problems:
         raise PlanError(problems)
     revision = ov.model_revision or model.revision
-    cache = _cache(ov, model, draft, revision, engine)
+    cache = _cache(ov, model, draft, revision, engine, _build(engine, image), target.hardware)
     processes, fronts = [], []
     replicas, problems = _quarantine(
         _place(target, topology, hardware, inventory, ov, pool, engine.router_ports),
@@ -641,9 +641,23 @@ def _bind(p: Process, processes: list[Process], pooled: bool = False) -> str:
     return p.address
 
 
-def _cache(ov: Overrides, model, draft, revision: str, engine: cat.Engine) -> dict:
+def _build(engine: cat.Engine, image: cat.Image | None) -> str:
+    """The engine build, as a directory name: the venv's (vllm-0.33.0), or the image's
+    name with its digest's first 12 hex (or its tag)."""
+    if image is None:
+        return engine.venv.rstrip("/").rsplit("/", 1)[-1]
+    name, _, digest = image.ref.partition("@sha256:")
+    if digest:
+        return f"{name.rsplit('/', 1)[-1].split(':')[0]}-{digest[:12]}"
+    return re.sub(r"[^A-Za-z0-9._-]", "-", image.ref.rsplit("/", 1)[-1])
+
+
+def _cache(ov: Overrides, model, draft, revision: str, engine: cat.Engine, build: str,
+           gpu: str) -> dict:
     """The checkpoints (each with the engine flag that names its revision: the serve play
-    pins the commit the cache holds there), where they go, and the room they need."""
+    pins the commit the cache holds there), where they go, and the room they need; and the
+    compile caches of this engine build on this GPU type, beside them (the engines' own
+    keys under it tell their configurations apart)."""
     flags = engine.revision_flags
     models = [{"repo": model.repo, "revision": revision, "weight_gib": model.weight_gib,
                "flag": flags.get("model")}]
@@ -654,6 +668,7 @@ def _cache(ov: Overrides, model, draft, revision: str, engine: cat.Engine) -> di
     return {
         "path": ov.cache_dir,
         "hub": ov.cache_dir.rstrip("/") + "/hub",
+        "compile": f"{ov.cache_dir.rstrip('/')}/compile/{build}-{gpu}",
         "models": models,
         "weight_gib": total,
         # room for the checkpoint plus 10% for temporary files while downloading
@@ -728,6 +743,9 @@ def _render(processes, roles, target, model, draft, engine, catalog, cache, ov,
                         # URL after one flag (argparse nargs="*": a repeated one keeps the last)
                         p.args[flag] = each if role == "worker" else Repeat(each)
         p.env = {k: str(_fmt(v, ctx)) for k, v in env.items()}
+        if p.is_engine:  # the shared compile caches, unless the role's settings say else
+            p.env = {**{var: f"{cache['compile']}/{sub}"
+                        for var, sub in engine.compile_cache.items()}, **p.env}
         if p.gpus:
             var = "CUDA_VISIBLE_DEVICES" if catalog.hardware[target.hardware].vendor == \
                 "nvidia" else "HIP_VISIBLE_DEVICES"
@@ -1173,6 +1191,9 @@ def _containers(plan: Plan, image: cat.Image, ov: Overrides, catalog) -> None:
         if rdma:  # 004: without the HCAs Mooncake silently falls back to TCP
             devices.append("/dev/infiniband")
         mounts = [{"source": cache, "target": cache, "read_only": True}]
+        if p.is_engine and engine.compile_cache:  # what the engine compiles, shared
+            compile_dir = plan.cache["compile"]
+            mounts.append({"source": compile_dir, "target": compile_dir, "read_only": False})
         mounts += [{"source": path, "target": path, "read_only": False}
                    for path in engine.image_mounts]
         if p.is_engine:

@@ -172,6 +172,9 @@ class Engine(_Strict):
     # image runtime: hardware name or vendor -> the image (the hardware name wins)
     images: dict[str, Image] = Field(default_factory=dict)
     image_mounts: list[str] = Field(default_factory=list)  # host dirs its containers share
+    # the engine's compile and JIT caches: environment variable -> its directory under the
+    # deployment's compile cache (plan._cache: on the shared cache, by build and GPU)
+    compile_cache: dict[str, str] = Field(default_factory=dict)
     requirements: list[Requirement] = Field(default_factory=list)
     lock_excludes: dict[str, LockExclude] = Field(default_factory=dict)  # package -> why
     lock_archs: list[str] | None = None  # narrows locks.archs

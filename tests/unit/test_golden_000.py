@@ -35,6 +35,9 @@ IMPLIED_ENV = {
     "HF_HUB_OFFLINE",              # read from the shared cache, offline (002)
     "HF_HUB_CACHE",
     "VLLM_NIXL_SIDE_CHANNEL_HOST", # defaults to localhost, wrong across hosts
+    "VLLM_CACHE_ROOT",             # the compile caches on the shared cache, one per
+    "TRITON_CACHE_DIR",            # engine build and GPU type (the service user's home
+    "FLASHINFER_WORKSPACE_BASE",   # is per host)
 }
 
 

@@ -94,7 +94,11 @@ def lab_env(root: Path, venv: Path, hw: dict = H200, **extra) -> dict:
         write_cache(root)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("CUDA_", "VLLM_", "HF_"))}
     env.update(HF_HUB_CACHE=str(hub), HF_HUB_OFFLINE="1", GPUFLEET_LAB_HW=str(hw_file),
-               GPUFLEET_LAB_START_SECONDS="0.3", PATH=f"{venv / 'bin'}:{env['PATH']}")
+               GPUFLEET_LAB_START_SECONDS="0.3", PATH=f"{venv / 'bin'}:{env['PATH']}",
+               # the compile caches in the test's directory, not the user's home
+               VLLM_CACHE_ROOT=str(root / "compile" / "vllm"),
+               SGLANG_JIT_CACHE_ROOT=str(root / "compile" / "sglang"),
+               GPUFLEET_LAB_COMPILE_SECONDS="0.2")
     env.update(extra)
     return env
 
@@ -514,3 +518,31 @@ def test_a_paced_engine_runs_at_most_its_running_request_cap_at_once(env, start)
     took = time.monotonic() - began
     # 8 tokens x 50 ms = 0.4 s each; two at a time: 0.8 s for four, the later two waiting
     assert min(each) >= 0.4 and 0.8 <= took < 1.6, (each, took)
+
+
+def test_a_compiled_graph_is_loaded_by_the_next_start_even_from_another_home(env, start,
+                                                                              tmp_path, venv):
+    """vLLM compiles into VLLM_CACHE_ROOT once; a second engine of the same configuration
+    (another host on the shared cache: another HOME) loads it; another configuration
+    compiles its own; --enforce-eager compiles nothing; a root it cannot create fails the
+    start with Python's error (here a file in the way, which stops root too)."""
+    cmd = f"vllm serve {FLASH} -tp 4 --port PORT --host 127.0.0.1"
+    first = start(cmd, env)
+    root = Path(env["VLLM_CACHE_ROOT"]) / "torch_compile_cache"
+    (graph,) = root.glob("*/rank_0_0/gpufleet-lab-graph.json")
+    assert json.loads(graph.read_text())["host"] == socket.gethostname()
+    assert "Compiling a graph for dynamic shape" in first.log.read_text()
+    second = start(cmd, {**env, "HOME": str(tmp_path / "elsewhere")})
+    said = second.log.read_text()
+    assert f"Using cache directory: {graph.parent}" in said
+    assert "Directly load the compiled graph(s)" in said and "Compiling" not in said
+    start(cmd + " --max-model-len 4096", env)
+    assert len(list(root.glob("*/rank_0_0/gpufleet-lab-graph.json"))) == 2
+    eager = start(cmd + " --enforce-eager", env)
+    assert "torch.compile" not in eager.log.read_text()
+    in_the_way = tmp_path / "a-file"
+    in_the_way.write_text("")
+    refused = run_fail(cmd.replace("PORT", str(free_port())),
+                       {**env, "VLLM_CACHE_ROOT": str(in_the_way / "vllm")}, venv)
+    assert refused.returncode == 1, refused.stderr
+    assert "NotADirectoryError: [Errno 20] Not a directory" in refused.stderr

@@ -11,6 +11,7 @@ import time
 import uuid
 from pathlib import Path
 
+from . import compile as compile_cache
 from . import engine_flags
 from .cli import argparse_words
 from .pd import Bootstrap, Nixl
@@ -148,6 +149,7 @@ def run(engine_name: str, args: list[str], version: str) -> int:
     _log("INFO", f"non-default args: {json.dumps({k: v for k, v in settings.flags.items()})}")
     try:
         facts = run_checks(settings)
+        compile_cache.load_or_compile(settings, version, _log)
         engine = Engine(settings, facts, version)
         running["engine"] = engine
         _setup_pd(engine)

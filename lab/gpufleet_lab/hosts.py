@@ -399,7 +399,10 @@ def prepare_host(host: dict, all_hosts: list[dict], root: Path, pubkey: str, hw:
         "/root/.ssh/authorized_keys": (pubkey.encode(), 0o600),
         "/etc/apt/apt.conf.d/01gpufleet-proxy": (
             f'Acquire::http::Proxy "http://{ctrl}:{services.APT_PROXY_PORT}";\n'
-            'Acquire::https::Proxy "DIRECT";\n'.encode(),
+            'Acquire::https::Proxy "DIRECT";\n'
+            # a download the proxy stalls (seen with 8+ hosts at once) fails after a
+            # minute and apt tries it again, instead of hanging the deploy
+            'Acquire::http::Timeout "60";\nAcquire::Retries "3";\n'.encode(),
             0o644,
         ),
         "/etc/pip.conf": (

@@ -64,13 +64,24 @@ def pool(lab, tmp_path_factory):
     assert down.returncode == 0, down.stdout[-3000:]
 
 
+# the failed requests' errors (wall clock, what the client raised), for a test that fails
+ERRORS: list[tuple[float, str]] = []
+
+
 def ask(client, i: int, model: str = "zai-org/GLM-5.3-Flash") -> bool:
     try:
         client.chat.completions.create(model=model, max_tokens=8,
                                        messages=[{"role": "user", "content": f"hi {i}"}])
         return True
-    except Exception:  # an error of any kind is a failed request
+    except Exception as exc:  # an error of any kind is a failed request
+        ERRORS.append((time.time(), f"{type(exc).__name__}: {str(exc)[:300]}"))
         return False
+
+
+def errors() -> str:
+    """The last failed requests: when and why."""
+    return "; ".join(f"{time.strftime('%H:%M:%S', time.localtime(t))} {e}"
+                     for t, e in ERRORS[-5:])
 
 
 def test_one_endpoint_spreads_requests_over_every_worker(pool):
@@ -216,7 +227,7 @@ def test_a_rolling_restart_under_load_restarts_every_decode_and_loses_nothing(po
     assert ssh("lab1", GATEWAY_STATE) == gateway_before
     failed = results.count(False)
     print(f"rolling restart of decode under load: {failed} of {len(results)} requests failed")
-    assert len(results) > 100 and failed == 0, (failed, len(results))
+    assert len(results) > 100 and failed == 0, (failed, len(results), errors())
 
 
 def test_a_rolling_restart_of_the_routers_loses_nothing(pool):
@@ -232,7 +243,7 @@ def test_a_rolling_restart_of_the_routers_loses_nothing(pool):
     assert ssh("lab1", GATEWAY_STATE) == gateway_before
     failed = results.count(False)
     print(f"rolling restart of the routers under load: {failed} of {len(results)} failed")
-    assert len(results) > 50 and failed == 0, (failed, len(results))
+    assert len(results) > 50 and failed == 0, (failed, len(results), errors())
 
 
 def use_up_start_limit(host: str, unit: str) -> None:
@@ -279,7 +290,7 @@ def test_a_deploy_that_changes_a_decode_flag_restarts_them_in_turn_and_loses_not
     assert first[1] < second[0], (first, second)
     failed = results.count(False)
     print(f"deploy of a changed decode flag under load: {failed} of {len(results)} failed")
-    assert len(results) > 100 and failed == 0, (failed, len(results))
+    assert len(results) > 100 and failed == 0, (failed, len(results), errors())
 
 
 @pytest.mark.slow  # about 100 s: one more deploy of the pool, under load
@@ -301,7 +312,7 @@ def test_a_lower_count_stops_exactly_the_dropped_workers_and_loses_nothing(pool)
                       re.M) == ["gpufleet-router.service", "gpufleet-router-1.service"], drop[:3000]
     failed = results.count(False)
     print(f"a lower count under load: {failed} of {len(results)} failed")
-    assert len(results) > 50 and failed == 0, (failed, len(results))
+    assert len(results) > 50 and failed == 0, (failed, len(results), errors())
     now = {h: main_pids(h) for h in ADDRESS}
     assert "gpufleet-prefill-1.service" not in now["lab2"]
     assert ssh("lab2", "test -e /etc/systemd/system/gpufleet-prefill-1.service; echo $?")\
@@ -430,7 +441,7 @@ def test_a_pool_rolls_two_workers_at_a_time_under_load_and_loses_nothing(pool):
     failed = results.count(False)
     print(f"deploy of a changed decode flag, 3 workers 2 at a time, under load: {failed} of "
           f"{len(results)} failed, {took:.0f} s")
-    assert len(results) > 100 and failed == 0, (failed, len(results))
+    assert len(results) > 100 and failed == 0, (failed, len(results), errors())
 
 
 @pytest.mark.slow  # about 70 s: the deploy above rolls the workers the same way
@@ -456,7 +467,7 @@ def test_fab_restart_rolls_two_workers_at_a_time_under_load_and_loses_nothing(po
     failed = results.count(False)
     print(f"fab restart --role decode, 3 workers 2 at a time, under load: {failed} of "
           f"{len(results)} failed, {took:.0f} s")
-    assert len(results) > 100 and failed == 0, (failed, len(results))
+    assert len(results) > 100 and failed == 0, (failed, len(results), errors())
 
 
 def test_a_failed_canary_stops_the_roll_with_the_later_workers_serving(pool):
@@ -490,4 +501,4 @@ def test_a_failed_canary_stops_the_roll_with_the_later_workers_serving(pool):
     failed = results.count(False)
     print(f"fab restart --role decode with a failed canary, under load: {failed} of "
           f"{len(results)} failed")
-    assert len(results) > 100 and failed == 0, (failed, len(results))
+    assert len(results) > 100 and failed == 0, (failed, len(results), errors())

@@ -36,6 +36,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket
 import ssl
 import subprocess
@@ -1825,8 +1826,9 @@ def ib_signature(cfg):
             for p in ib_ports(cfg["sysfs"], cfg["devices"])]
 
 
-def follow_xids(wake, log):
-    """Follow the kernel log; set wake on every Xid message. Restarts journalctl if it ends."""
+def follow_xids(wake, log, children):
+    """Follow the kernel log; set wake on every Xid message. Restarts journalctl if it ends.
+    children holds the journalctl now running (the watcher stops it when it exits)."""
     argv = ["journalctl", "-k", "-f", "-n", "0", "-o", "json", "--output-fields=MESSAGE",
             "-q", "--no-pager"]
     while True:
@@ -1836,6 +1838,7 @@ def follow_xids(wake, log):
         except OSError as exc:
             log(f"watch: journalctl: {exc}; Xids are seen by the timer's runs only")
             return
+        children[:] = [proc]
         for line in proc.stdout:
             try:
                 message = json.loads(line).get("MESSAGE") or ""
@@ -1859,22 +1862,32 @@ def watch(config, cfg, log):
         "GPUs through nvidia-smi -q -x" if smi else "no GPU poll",
         ", HCA ports from sysfs" if cfg["ib"] else ""))
     wake = threading.Event()
+    children = []
+    # SIGTERM (systemd's stop, or anyone's) ends the loop through the finally below, which
+    # stops the journalctl it follows: a watcher stopped outside its unit's cgroup left it
+    # running, following the kernel log for nobody
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
     if shutil.which("journalctl"):
-        threading.Thread(target=follow_xids, args=(wake, log), daemon=True).start()
+        threading.Thread(target=follow_xids, args=(wake, log, children), daemon=True).start()
     last = None
-    while True:
-        now = {"gpu": nvml.signature() if nvml else smi_signature(
-            cfg["gpu"]["timeout_s"]) if smi else None,
-            "ib": ib_signature(cfg["ib"]) if cfg["ib"] else None}
-        changed = sorted(k for k in now if last is not None and now[k] != last[k])
-        if last is None or changed or wake.is_set():
-            why = "start" if last is None else ", ".join(changed + (
-                ["Xid in the kernel log"] if wake.is_set() else []))
-            wake.clear()
-            log(f"watch: running the host checks ({why})")
-            main(["--config", config, "--host-only"])
-        last = now
-        wake.wait(cfg["watch"]["interval_s"])
+    try:
+        while True:
+            now = {"gpu": nvml.signature() if nvml else smi_signature(
+                cfg["gpu"]["timeout_s"]) if smi else None,
+                "ib": ib_signature(cfg["ib"]) if cfg["ib"] else None}
+            changed = sorted(k for k in now if last is not None and now[k] != last[k])
+            if last is None or changed or wake.is_set():
+                why = "start" if last is None else ", ".join(changed + (
+                    ["Xid in the kernel log"] if wake.is_set() else []))
+                wake.clear()
+                log(f"watch: running the host checks ({why})")
+                main(["--config", config, "--host-only"])
+            last = now
+            wake.wait(cfg["watch"]["interval_s"])
+    finally:
+        for proc in children:
+            proc.kill()
+            proc.wait()
 
 
 def main(argv=None):

@@ -1511,8 +1511,16 @@ def test_watcher_sees_xid_fabric_and_hca_faults_within_seconds(host, engine):
         fault = json.loads(host.state.read_text())["host_fault"]  # what fab status shows
         assert fault["checks"] == ["gpu_fabric", "gpu_xid", "ib"] and fault["since"] > 0
     finally:
+        # the watcher's children (its journalctl): stopped with it
+        children = [int(pid) for task in Path(f"/proc/{proc.pid}/task").iterdir()
+                    for pid in (task / "children").read_text().split()]
         proc.terminate()
         out, err = proc.communicate(timeout=10)
+    assert proc.returncode == 0, err
+    assert children, "the watcher follows the kernel log with journalctl"
+    for pid in children:
+        assert not Path(f"/proc/{pid}").exists() or \
+            Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z", f"{pid} left running"
     assert "watch: every 0.5s: GPUs through nvidia-smi -q -x, HCA ports from sysfs" in out
     assert "watch: running the host checks (Xid in the kernel log)" in out, out
     assert re.search(r"watch: running the host checks \(.*ib", out), out

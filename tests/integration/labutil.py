@@ -80,6 +80,7 @@ def runner_job(private_dir: Path, inventory: str, *cmdline: str, playbook_name="
     clock at its start and end, to show jobs side by side."""
     import ansible_runner
 
+    private_dir.mkdir(parents=True, exist_ok=True)
     started = time.time()
     run = ansible_runner.run(
         private_data_dir=str(private_dir), project_dir=str(ROOT), playbook=playbook_name,

@@ -62,8 +62,8 @@ def closed(host, port, wait=3.0, interval=0.5):
 
 
 def check(spec, key=None, context=None, timeout=10.0, wait=3.0):
-    """One check's result: the spec (less nothing) with ok, and status and error for a
-    request. A check that cannot run is a failed one."""
+    """One check's result: the spec as given, with ok, and status and error for a request.
+    A check that cannot run is a failed one."""
     out = dict(spec)
     if spec.get("url"):
         headers = {"Authorization": "Bearer " + key} if spec.get("key") and key else {}

@@ -5,7 +5,8 @@ $VLLM_CACHE_ROOT/torch_compile_cache/<hash>/rank_<tp>_<dp> (default ~/.cache/vll
 over its configuration and version; a directory that holds a compiled graph is loaded, not
 compiled again. SGLang does the same with --enable-torch-compile under
 $SGLANG_JIT_CACHE_ROOT/torch_compile/<hash> (default ~/.cache/sglang). A directory the
-engine cannot create fails its start with Python's PermissionError.
+engine cannot create fails its start with Python's error (PermissionError,
+NotADirectoryError, ...).
 
 The stand-in compiles for GPUFLEET_LAB_COMPILE_SECONDS (default 1) and writes one artifact
 naming the host that compiled it (the lab's test reads it from the shared cache); with it

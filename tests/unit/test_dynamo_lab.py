@@ -11,6 +11,8 @@ frontend's own reasoning and tool-call parsers. Everything listens on 127.0.0.1 
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import io
 import json
@@ -53,9 +55,23 @@ def _digest(*paths: Path) -> str:
     return h.hexdigest()[:16]
 
 
+@contextlib.contextmanager
+def _cache_lock():
+    """CACHE to this process alone: the unit tests run in several processes at once."""
+    CACHE.mkdir(parents=True, exist_ok=True)
+    with open(CACHE / ".lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+
+
 @pytest.fixture(scope="session")
 def lab_wheels() -> Path:
     """The lab's wheel source for Dynamo: the pinned wheels (fetched once) + the lab build."""
+    with _cache_lock():
+        return _lab_wheels()
+
+
+def _lab_wheels() -> Path:
     wheels = CACHE / f"wheels-{_digest(LAB / 'requirements.txt')}"
     if not (wheels / build.UPSTREAM).is_file():
         tmp = wheels.with_name(wheels.name + f".tmp{os.getpid()}")
@@ -69,7 +85,11 @@ def lab_wheels() -> Path:
 @pytest.fixture(scope="session")
 def lab_python(lab_wheels) -> Path:
     """python of a venv installed from the lab's wheel source, as a lab host does."""
-    wheels = lab_wheels
+    with _cache_lock():
+        return _lab_python(lab_wheels)
+
+
+def _lab_python(wheels: Path) -> Path:
     lab_wheel = wheels / build.OUTPUT
     venv = CACHE / f"venv-{_digest(LAB / 'requirements.txt', lab_wheel)}"
     if not (venv / "ok").exists():

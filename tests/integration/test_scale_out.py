@@ -202,7 +202,7 @@ def under_load(client, action, model: str = "zai-org/GLM-5.3-Flash") -> tuple[ob
     return out, results
 
 
-@pytest.mark.slow  # about 60 s: the batched roll's test below rolls a pool the same way
+@pytest.mark.slow  # about 60 s: the failed-canary test below rolls a pool under load the same way
 def test_a_rolling_restart_under_load_restarts_every_decode_and_loses_nothing(pool):
     """fab restart --role decode with requests flowing: each decode worker leaves both
     routers' pools, drains, restarts, and is back (each router restarted in turn, the
@@ -420,6 +420,8 @@ def four_workers(inv: str, flags: bool = False) -> dict:
     return four
 
 
+@pytest.mark.slow  # about 4 minutes: the failed-canary test below deploys the same shape and
+# rolls two workers at a time under load (fab restart; a deploy rolls through the same tasks)
 def test_a_pool_rolls_two_workers_at_a_time_under_load_and_loses_nothing(pool):
     """gpufleet_max_unavailable {decode: 2} on one prefill and three decode workers (TP4,
     as many as two 8-GPU hosts take): a deploy that changes the decode flag restarts them
@@ -444,7 +446,7 @@ def test_a_pool_rolls_two_workers_at_a_time_under_load_and_loses_nothing(pool):
     assert len(results) > 100 and failed == 0, (failed, len(results), errors())
 
 
-@pytest.mark.slow  # about 70 s: the deploy above rolls the workers the same way
+@pytest.mark.slow  # about 70 s: the failed-canary test below rolls them the same way
 def test_fab_restart_rolls_two_workers_at_a_time_under_load_and_loses_nothing(pool):
     """fab restart --role decode rolls the workers in the batches a deploy does, even a
     unit whose crash-loop limit is used up, and leaves the gateway alone."""

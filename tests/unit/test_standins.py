@@ -298,14 +298,23 @@ def test_flashinfer_split_faults_on_first_request(venv_root, tmp_path):
 
 
 def test_health_waits_for_start_time(env, start):
-    env = {**env, "GPUFLEET_LAB_START_SECONDS": "1.5"}
+    # Long enough that a loaded machine (every core running tests) still starts both
+    # interpreters well inside it; the test polls rather than sleeping a guess.
+    env = {**env, "GPUFLEET_LAB_START_SECONDS": "5"}
     vllm = start(f"vllm serve {FLASH} -tp 4 --port PORT --host 127.0.0.1", env, wait=False)
     sgl = start(f"python -m sglang.launch_server --model-path {GLM} --tp-size 8 --port PORT "
                 "--host 127.0.0.1", env, wait=False)
-    time.sleep(0.6)
+    end = time.time() + 4
+    while True:  # SGLang listens at once and answers 503 until it is ready
+        try:
+            status = http(sgl.url + "/health", timeout=1)[0]
+            break
+        except OSError:
+            assert time.time() < end, "the SGLang stand-in never started listening"
+            time.sleep(0.1)
+    assert status == 503  # SGLang: listening, not ready
     with pytest.raises(OSError):
         urllib.request.urlopen(vllm.url + "/health", timeout=2)  # vLLM: not listening yet
-    assert http(sgl.url + "/health")[0] == 503  # SGLang: listening, not ready
     vllm.wait()
     sgl.wait()
     assert http(vllm.url + "/health") == (200, "")

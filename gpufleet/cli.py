@@ -43,6 +43,7 @@ INVENTORY_OVERRIDES = {
     "gpufleet_max_fail_percentage": "max_fail_percentage",
     "gpufleet_runtime": "runtime",
     "gpufleet_images": "images",
+    "gpufleet_engine_versions": "engine_versions",
     "gpufleet_registry_mirror": "registry_mirror",
     "gpufleet_acknowledge": "acknowledge",
 }

@@ -50,6 +50,14 @@ PROGRAMS: dict[str, tuple[str, tuple[str, ...]]] = {
     ),
 }
 
+# Other releases of a program an engine may run (catalog engines.*.releases): program key
+# -> {version: (human name, table files)}. A plan of such a release checks its engines'
+# command lines against that release's table (check's `version`), and so does the stand-in
+# engine of that version in the lab.
+RELEASES: dict[str, dict[str, tuple[str, tuple[str, ...]]]] = {
+    "vllm serve": {"0.31.0": ("vLLM 0.31.0 `vllm serve`", ("vllm-0.31.0-serve-flags.json",))},
+}
+
 # Flags a later table of a program lists that the program does not take: Dynamo's worker
 # parses vLLM's engine arguments, not its OpenAI server's (--host, --port, --api-key, ...).
 WITHOUT: dict[str, tuple[str, ...]] = {"dynamo.vllm": ("vllm-0.31.0-frontend-flags.json",)}
@@ -114,14 +122,20 @@ def negations(entries: dict[str, dict]) -> dict[str, dict]:
     return out
 
 
+def spec_of(program: str, version: str | None = None) -> tuple[str, tuple[str, ...]]:
+    """(human name, table files) of a program key at a version: the release's (RELEASES)
+    where it has one, else the pinned version's (PROGRAMS)."""
+    return RELEASES.get(program, {}).get(version or "", PROGRAMS[program])
+
+
 @cache
-def table(program: str) -> dict[str, dict]:
-    """The merged option table of a program key in PROGRAMS, with the `--no-` forms
-    its argparse tables imply (see negations)."""
+def table(program: str, version: str | None = None) -> dict[str, dict]:
+    """The merged option table of a program key in PROGRAMS (at a version of RELEASES),
+    with the `--no-` forms its argparse tables imply (see negations)."""
     merged: dict[str, dict] = {}
     without = {flag for name in WITHOUT.get(program, ())
                for flag in json.loads((TABLE_DIR / name).read_text())}
-    for n, name in enumerate(PROGRAMS[program][1]):
+    for n, name in enumerate(spec_of(program, version)[1]):
         text = (TABLE_DIR / name).read_text()
         if name.endswith(".json"):
             listed = json.loads(text)
@@ -168,13 +182,14 @@ def _is_option(token: str) -> bool:
     return token.startswith("-") and not re.fullmatch(r"-\d+(\.\d+)?", token)
 
 
-def check(argv: list[str]) -> list[str]:
-    """Problems with argv for the pinned version of its program ([] when it parses)."""
+def check(argv: list[str], version: str | None = None) -> list[str]:
+    """Problems with argv for its program at a version (RELEASES; else the pinned one)
+    ([] when it parses)."""
     program, i = program_of(argv)
     if program is None:
         return []
-    label = PROGRAMS[program][0]
-    flags = table(program)
+    label = spec_of(program, version)[0]
+    flags = table(program, version)
     problems: list[str] = []
     positionals = 0
     while i < len(argv):

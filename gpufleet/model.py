@@ -119,6 +119,9 @@ class Overrides(BaseModel):
     # that serves every image in place of its own (an air-gapped site's mirror)
     runtime: Literal["venv", "image"] | None = None
     images: dict[str, str] = Field(default_factory=dict)
+    # the release each engine runs where not the catalog's own (engine -> version of its
+    # catalog `releases`): the venv runtime installs that release's lock beside the others
+    engine_versions: dict[str, str] = Field(default_factory=dict)
     registry_mirror: str | None = None
     # the recipe's pins (a target's `pins`) an operator departs from on purpose
     acknowledge: list[str] = Field(default_factory=list)
@@ -351,7 +354,8 @@ class Readiness:
     deploy that changes it restarts it in turn with the others of its kind; `pool` (a
     worker of a pool its routers move), `rejoin_s` (one its router's health check takes
     back by itself, after that many seconds) and `drop` (a router) as above; `batch`: its
-    step in a rolling restart."""
+    step in a rolling restart; `version`: the engine release it must report at
+    `version_url`."""
 
     url: str | None = None
     timeout_s: int = 300
@@ -368,6 +372,10 @@ class Readiness:
     rejoin_s: int | None = None
     pool: PoolMove | None = None
     drop: PoolDrop | None = None
+    # an engine of the venv runtime: the release it must report at version_url
+    # ({"version": ...}) once it answers, or it runs another environment than planned
+    version: str | None = None
+    version_url: str | None = None
 
     def to_json(self) -> dict:
         return _compact(asdict(self))

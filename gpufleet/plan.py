@@ -298,6 +298,7 @@ def compose(
         pool["router"] = [(inventory.group(router.group)[0], [])] * engine.pool_routers
 
     runtime, image = _runtime(catalog, target, hardware, ov, problems)
+    engine = catalog.engine_at(target.engine, _release(catalog, target, runtime, ov, problems))
     if problems:
         raise PlanError(problems)
     revision = ov.model_revision or model.revision
@@ -704,6 +705,38 @@ def _runtime(catalog, target, hardware, ov: Overrides,
     return runtime, listed
 
 
+def _release(catalog, target, runtime: str, ov: Overrides,
+             problems: list[Problem]) -> str | None:
+    """The engine release the deploy runs: gpufleet_engine_versions' for the target's
+    engine (one of its catalog releases), else None (the catalog's own)."""
+    chosen = [n for n, e in catalog.engines.items() if e.releases]
+    for name, version in sorted(ov.engine_versions.items()):
+        if name not in chosen:
+            problems.append(Problem(
+                f"overrides.engine_versions.{name}",
+                f"no engine named {name} has releases to choose from",
+                "key gpufleet_engine_versions by engine: " + ", ".join(chosen)))
+        elif version not in catalog.versions(name):
+            problems.append(Problem(
+                f"overrides.engine_versions.{name}",
+                f"{name} {version} is not a release gpufleet has locks and a flag table for; "
+                f"it has {', '.join(catalog.versions(name))}",
+                f"pick one of them, or add {version} to engines.{name}.releases in "
+                "gpufleet/catalog/engines.yml (its requirements and its flag table, "
+                "engine-cli/) and run scripts/lock"))
+    version = ov.engine_versions.get(target.engine)
+    if version in (None, catalog.engines[target.engine].version):
+        return None
+    if runtime == "image":
+        problems.append(Problem(
+            f"overrides.engine_versions.{target.engine}",
+            f"the image runtime runs the {target.engine} its image brings, not a release "
+            "of the engine's environment",
+            f"run an image of {target.engine} {version} (gpufleet_images: {{{target.engine}: "
+            "REF@sha256:...}), or the venv runtime (gpufleet_runtime: venv)"))
+    return version if version in catalog.versions(target.engine) else None
+
+
 def _render(processes, roles, target, model, draft, engine, catalog, cache, ov,
             in_image: bool = False) -> None:
     by_role = {p.role: p for p in processes}
@@ -762,6 +795,9 @@ def _render(processes, roles, target, model, draft, engine, catalog, cache, ov,
         p.argv = prefix + [tok for flag, value in p.args.items()
                            for tok in flag_tokens(flag, value)]
         p.readiness = _readiness(p, target, model, ov)
+        if p.is_engine and engine.version_path and not in_image and p.readiness.url:
+            p.readiness.version = engine.version
+            p.readiness.version_url = f"{_local(p)}{engine.version_path}"
     for p in processes:
         p.health = _health(p, [q for q in processes if q.host == p.host], model)
         p.metrics = _metrics(p)
@@ -1221,7 +1257,7 @@ def _engine_locks(plan: Plan, inventory: inv_mod.Inventory, catalog) -> list[Pro
     catalog's default) and the lock scripts/lock made for it and the host's CPU
     architecture; a host with no such lock is refused."""
     engine, hw = plan.target.engine, plan.hardware
-    if not catalog.engines[engine].requirements:
+    if not plan.engine.requirements:
         return []
     combos = catalog.lock_combos(engine)
     pythons = [py for arch, py in combos if arch == hw.cpu_arch]
@@ -1243,7 +1279,7 @@ def _engine_locks(plan: Plan, inventory: inv_mod.Inventory, catalog) -> list[Pro
                 f"{python} to locks.pythons in gpufleet/catalog/engines.yml and run "
                 "scripts/lock"))
             continue
-        path = catalog.lock_path(engine, hw.cpu_arch, python)
+        path = catalog.lock_path(engine, hw.cpu_arch, python, plan.engine.version)
         req.engine.lock = path
         req.engine.glibc_floor = lockfile.read(lockfile.REPO / path).one("glibc")
     if hw.vendor not in catalog.locks.vendors:

@@ -342,7 +342,7 @@ def venv_runtime_needs_nvidia(plan: Plan, catalog) -> list[Problem]:
     if plan.hardware.vendor in catalog.locks.vendors or all(
             req.engine.runtime == "image" for req in plan.hosts.values()):
         return []
-    engine = catalog.engines[plan.target.engine]
+    engine = plan.engine
     what = engine.requirements[0].req.replace("==", " ") if engine.requirements else engine.label
     hosts = sorted(h for h, req in plan.hosts.items() if req.gpu is not None)
     return [Problem(
@@ -392,7 +392,9 @@ def flashinfer_at_floor(plan: Plan, catalog) -> list[Problem]:
 def flags_accepted(plan: Plan, catalog) -> list[Problem]:
     problems = []
     for p in plan.processes:
-        for issue in engine_flags.check(p.argv):
+        # the engine's release for its programs (engine_flags.RELEASES); other programs
+        # have one release
+        for issue in engine_flags.check(p.argv, plan.engine.version):
             problems.append(Problem(
                 f"{p.name}.argv", issue,
                 "remove or correct the flag (tables: gpufleet/catalog/engine-cli/)"))

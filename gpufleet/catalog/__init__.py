@@ -166,9 +166,25 @@ class PoolCall(_Strict):
         Field(default_factory=dict)
 
 
+class Release(_Strict):
+    """Another release of an engine, which a deploy may run instead of the engine's own
+    (gpufleet_engine_versions): its own environment, beside the other releases' on a host."""
+
+    label: str
+    venv: str
+    requirements: list[Requirement]
+    flashinfer_floor: str | None = None  # None: the engine's
+
+
 class Engine(_Strict):
     label: str
     venv: str
+    # the release label, venv and requirements describe (engines with `releases` say it)
+    version: str | None = None
+    # the other releases a deploy may pick (gpufleet_engine_versions): version -> release
+    releases: dict[str, Release] = Field(default_factory=dict)
+    # the engine's HTTP path that answers {"version": "<release>"}
+    version_path: str | None = None
     # image runtime: hardware name or vendor -> the image (the hardware name wins)
     images: dict[str, Image] = Field(default_factory=dict)
     image_mounts: list[str] = Field(default_factory=list)  # host dirs its containers share
@@ -309,6 +325,13 @@ class Catalog:
         self.locks = Locks(**engines["locks"])
         self.runtimes = Runtimes(**engines["runtimes"])
         for name, engine in self.engines.items():
+            if engine.releases and (not engine.version or engine.version in engine.releases):
+                raise ValueError(f"catalog: engines.{name}: an engine with releases names its "
+                                 "own version (version), which is none of the releases")
+            venvs = [engine.venv, *(r.venv for r in engine.releases.values())]
+            if len(set(venvs)) != len(venvs):
+                raise ValueError(f"catalog: engines.{name}: each release needs a venv of its "
+                                 "own (the releases' environments sit side by side on a host)")
             for program, managed in engine.managed.items():
                 for key, kind in {**managed.args, **managed.env}.items():
                     if kind.partition(":")[0] not in self.managed_kinds:
@@ -346,9 +369,29 @@ class Catalog:
         images = self.engines[engine].images
         return images.get(hardware) or images.get(self.hardware[hardware].vendor)
 
-    def lock_path(self, engine: str, arch: str, python: str) -> str:
-        """The lock's path relative to the repository (and gpufleet's package root's parent)."""
-        name = f"{engine}-{arch}-py{python.replace('.', '')}.txt"
+    def versions(self, engine: str) -> list[str | None]:
+        """The engine's releases: its own version first (None for an engine without one)."""
+        e = self.engines[engine]
+        return [e.version, *e.releases]
+
+    def engine_at(self, engine: str, version: str | None = None) -> Engine:
+        """The engine at one of its releases (None or its own version: the engine itself):
+        label, venv, requirements and FlashInfer floor of that release."""
+        e = self.engines[engine]
+        if version is None or version == e.version:
+            return e
+        r = e.releases[version]
+        return e.model_copy(update={
+            "version": version, "label": r.label, "venv": r.venv,
+            "requirements": r.requirements,
+            "flashinfer_floor": r.flashinfer_floor or e.flashinfer_floor})
+
+    def lock_path(self, engine: str, arch: str, python: str, version: str | None = None) -> str:
+        """The lock's path relative to the repository (and gpufleet's package root's parent):
+        <engine>-<arch>-py<XY>.txt for the engine's own release, <engine>-<version>-...
+        for another of its releases."""
+        release = "" if version in (None, self.engines[engine].version) else f"-{version}"
+        name = f"{engine}{release}-{arch}-py{python.replace('.', '')}.txt"
         return f"gpufleet/catalog/{self.locks.dir}/{name}"
 
     def _target(self, name: str, spec: dict) -> Target:

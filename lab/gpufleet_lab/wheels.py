@@ -45,7 +45,9 @@ DYNAMO = REPO / "lab" / "dynamo"
 LOCKS = REPO / "gpufleet" / "catalog" / "locks"
 LOCK_DIR = WHEEL_DIR.parent / "locks"
 # The locks the lab deploys from: its hosts are x86_64 Debian 12 with CPython 3.11.
-LAB_LOCKS = ("vllm-x86_64-py311.txt", "sglang-x86_64-py311.txt", "dynamo-x86_64-py311.txt")
+# vLLM's other release too (engines.vllm.releases): a deploy moves between the two.
+LAB_LOCKS = ("vllm-x86_64-py311.txt", "sglang-x86_64-py311.txt", "dynamo-x86_64-py311.txt",
+             "vllm-0.31.0-x86_64-py311.txt")
 # The lab's GB200/GB300 trays answer aarch64 but run on this x86_64 machine: their lab locks
 # keep the aarch64 locks' names and versions, with the x86_64 files of those versions.
 CROSS_LOCKS = tuple(name.replace("x86_64", "aarch64") for name in LAB_LOCKS)

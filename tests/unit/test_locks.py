@@ -17,19 +17,23 @@ from gpufleet import catalog as cat
 from gpufleet.catalog import lockfile
 
 CATALOG = cat.load()
-COMBOS = [(e, a, py) for e in CATALOG.engines for a, py in CATALOG.lock_combos(e)]
-IDS = [f"{e}-{a}-py{py}" for e, a, py in COMBOS]
+# every lock: engine, arch, python and release (None: the engine's own)
+COMBOS = [(e, a, py, None if v == CATALOG.engines[e].version else v) for e in CATALOG.engines
+          for v in CATALOG.versions(e) for a, py in CATALOG.lock_combos(e)]
+IDS = [f"{e}{'-' + v if v else ''}-{a}-py{py}" for e, a, py, v in COMBOS]
+PARAMS = ("engine", "arch", "python", "version")
 
 
-def lock_of(engine, arch, python):
-    return lockfile.read(lockfile.REPO / CATALOG.lock_path(engine, arch, python))
+def lock_of(engine, arch, python, version=None):
+    return lockfile.read(lockfile.REPO / CATALOG.lock_path(engine, arch, python, version))
 
 
 def test_every_python_engine_is_locked_for_both_archs_and_pythons():
-    locked = {e for e, _, _ in COMBOS}
-    assert locked == {"vllm", "sglang", "dynamo"}
-    assert {(a, py) for _, a, py in COMBOS} == {
-        (a, py) for a in ("x86_64", "aarch64") for py in ("3.11", "3.12")}
+    locked = {(e, v) for e, _, _, v in COMBOS}
+    assert locked == {("vllm", None), ("sglang", None), ("dynamo", None), ("vllm", "0.31.0")}
+    for engine, version in locked:
+        assert {(a, py) for e, a, py, v in COMBOS if (e, v) == (engine, version)} == {
+            (a, py) for a in ("x86_64", "aarch64") for py in ("3.11", "3.12")}
 
 
 def test_no_stray_lock_files():
@@ -38,12 +42,13 @@ def test_no_stray_lock_files():
     assert present == wanted, "run scripts/lock; remove the locks the catalog no longer asks for"
 
 
-@pytest.mark.parametrize(("engine", "arch", "python"), COMBOS, ids=IDS)
-def test_lock_pins_the_catalog_requirements(engine, arch, python):
-    lock, e = lock_of(engine, arch, python), CATALOG.engines[engine]
+@pytest.mark.parametrize(PARAMS, COMBOS, ids=IDS)
+def test_lock_pins_the_catalog_requirements(engine, arch, python, version):
+    lock, e = lock_of(engine, arch, python, version), CATALOG.engine_at(engine, version)
     fix = "run scripts/lock after changing engines.yml"
     assert lock.header["requirement"] == [r.req for r in e.requirements], fix
     assert (lock.one("engine"), lock.one("arch"), lock.one("python")) == (engine, arch, python)
+    assert lock.header.get("release", [None]) == [version]
     assert lock.one("index") == CATALOG.locks.index, fix
     for r in e.requirements:
         req = Requirement(r.req)
@@ -69,6 +74,8 @@ def test_locks_resolve_what_the_engines_need():
     assert pins["sglang"]["sglang-kernel"][0] == "0.4.10"
     assert pins["dynamo"]["vllm"][0] == "0.31.0"
     assert pins["dynamo"]["nixl"][0] == "1.4.1"
+    older = lock_of("vllm", "x86_64", "3.12", "0.31.0").pins  # reference: 0.31.0's own pins
+    assert (older["torch"][0], older["flashinfer-python"][0]) == ("2.13.0", "0.7.0.post1")
     assert "flashinfer-cubin" not in pins["vllm"]  # no cubin at 0.7.x on the index
 
 
@@ -84,9 +91,9 @@ def index_files():
 
 
 @pytest.mark.index
-@pytest.mark.parametrize(("engine", "arch", "python"), COMBOS, ids=IDS)
-def test_every_locked_file_is_on_the_index(engine, arch, python, index_files):
-    lock = lock_of(engine, arch, python)
+@pytest.mark.parametrize(PARAMS, COMBOS, ids=IDS)
+def test_every_locked_file_is_on_the_index(engine, arch, python, version, index_files):
+    lock = lock_of(engine, arch, python, version)
     missing, glibc = [], (0, 0)
     for name, (version, hashes) in lock.pins.items():
         served = {f["hashes"].get("sha256"): f["filename"] for f in index_files[name]}
@@ -179,14 +186,14 @@ def test_the_closure_follows_extras_and_finds_what_is_wrong():
 
 
 @pytest.mark.index
-@pytest.mark.parametrize(("engine", "arch", "python"), COMBOS, ids=IDS)
-def test_every_lock_is_its_whole_closure(engine, arch, python, index_files):
+@pytest.mark.parametrize(PARAMS, COMBOS, ids=IDS)
+def test_every_lock_is_its_whole_closure(engine, arch, python, version, index_files):
     """Each lock's top-level requirements with their dependencies (each pinned wheel's
     own Requires-Dist, read from the index's wheel for the lock's arch and Python, markers
     for that platform) need exactly the lock's pins: none missing, none at another
     version, none needed by nothing (the locks install with --no-deps, so nothing else
     would say so)."""
-    lock = lock_of(engine, arch, python)
+    lock = lock_of(engine, arch, python, version)
     found = lockfile.closure(lock, lockfile.requires_of(lock, index_files, workers=32))
     assert found == {"missing": [], "mismatched": [], "unreached": []}, (
         f"{lock.path.name}: {found}. Fix: run scripts/lock")

@@ -103,6 +103,11 @@ description:
     (the image runtime), for example C({vllm: REGISTRY/REPO@sha256:...}). It has no
     command-line option.
   - >-
+    C(gpufleet_engine_versions) maps an engine to another of its catalog releases, which
+    the venv runtime installs beside the others and the engines roll onto, for example
+    C({vllm: "0.31.0"}) (the engine's C(releases) in catalog/engines.yml). It has no
+    command-line option.
+  - >-
     C(gpufleet_registry_mirror) is a registry that serves every image in place of its own
     (an air-gapped site's mirror). It has no command-line option.
   - >-

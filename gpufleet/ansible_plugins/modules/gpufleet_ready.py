@@ -30,6 +30,15 @@ options:
   served_name:
     description: Model name for the generation request.
     type: str
+  version:
+    description: >-
+      The engine release the process must report at I(version_url) once its health
+      answers (a JSON object's C(version), as vLLM's GET /version gives it). Another
+      release fails at once: the unit runs another environment than the plan's.
+    type: str
+  version_url:
+    description: Where the process reports its release (with I(version)).
+    type: str
   ca_file:
     description: >-
       An https URL's CA file on the host (PEM): the certificate is verified with it, as
@@ -146,6 +155,15 @@ def probe(url, body=None, timeout=10.0, context=None):
         return None, str(exc)
 
 
+def release_of(url, timeout=10.0):
+    """The release an engine reports ({"version": ...}), or why there is none."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return str(json.loads(resp.read(4096).decode()).get("version"))
+    except (OSError, ValueError, AttributeError) as exc:
+        return f"none ({exc})"
+
+
 def main():
     module = AnsibleModule(
         argument_spec={
@@ -154,6 +172,8 @@ def main():
             "generate_url": {"type": "str"},
             "served_name": {"type": "str"},
             "ca_file": {"type": "str"},
+            "version": {"type": "str"},
+            "version_url": {"type": "str"},
             "timeout": {"type": "int", "default": 600},
             "interval": {"type": "float", "default": 2},
             "journal_lines": {"type": "int", "default": 40},
@@ -194,6 +214,15 @@ def main():
                     "that names this host (gpufleet_tls_cert_file)",
                 unit_state=state, journal=journal(p["unit"], p["journal_lines"]))
         if status == 200:
+            if stage == "health" and p["version_url"]:
+                got = release_of(p["version_url"])
+                if got != p["version"]:
+                    module.fail_json(
+                        msg=f"{p['unit']} answers, but reports release {got} at "
+                            f"{p['version_url']}, not {p['version']}, the plan's: it runs "
+                            "another environment. Fix: fab deploy again (it rebuilds a venv "
+                            "that is not its lock's); fab logs says which program started",
+                        unit_state=state, journal=journal(p["unit"], p["journal_lines"]))
             if stage == "generate" or not p["generate_url"]:
                 others = strangers(p["unit"], p["url"])
                 if others:

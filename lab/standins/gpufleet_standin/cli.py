@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+from importlib import metadata
 
 from . import engine_flags
 from .settings import DATA, flag_values
@@ -49,9 +50,14 @@ def arm(parser: argparse.ArgumentParser, engine: str) -> argparse.ArgumentParser
     program = spec["program"]
     prefix = program.split() if engine == "vllm" else ["python", "-m", program]
 
+    try:  # the release installed: its own table (engine_flags.RELEASES)
+        version = metadata.version(engine)
+    except metadata.PackageNotFoundError:
+        version = None
+
     def parse_known_args(args=None, namespace=None):
         args = sys.argv[1:] if args is None else [str(a) for a in args]
-        problems = engine_flags.check(prefix + args)
+        problems = engine_flags.check(prefix + args, version)
         if problems:
             parser.error(argparse_words(problems[0].split(": ", 1)[-1]))
         namespace = argparse.Namespace() if namespace is None else namespace

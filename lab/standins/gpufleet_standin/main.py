@@ -139,7 +139,7 @@ def _stop(engine) -> None:
 def run(engine_name: str, args: list[str], version: str) -> int:
     if "-h" in args or "--help" in args:
         return _help(engine_name)
-    settings, problems = parse(engine_name, args)
+    settings, problems = parse(engine_name, args, version)
     if problems:
         return _usage_error(engine_name, problems)
     running: dict = {}

@@ -183,12 +183,14 @@ class Settings:
         return _json(self.get("--limit-mm-per-prompt"), "--limit-mm-per-prompt") or {}
 
 
-def parse(engine: str, args: list[str]) -> tuple[Settings | None, list[str]]:
-    """(settings, problems) for the arguments after the program name."""
+def parse(engine: str, args: list[str], version: str | None = None
+          ) -> tuple[Settings | None, list[str]]:
+    """(settings, problems) for the arguments after the program name, as the engine's
+    release `version` parses them."""
     spec = DATA["engines"][engine]
     program = spec["program"]
     argv = ["vllm", "serve", *args] if engine == "vllm" else ["python", "-m", program, *args]
-    problems = engine_flags.check(argv)
+    problems = engine_flags.check(argv, version)
     if problems:
         return None, problems
     return Settings(engine, argv, flag_values(program, args, spec["aliases"])), []

@@ -293,6 +293,39 @@ def test_a_deploy_that_changes_a_decode_flag_restarts_them_in_turn_and_loses_not
     assert len(results) > 100 and failed == 0, (failed, len(results), errors())
 
 
+@pytest.mark.slow  # about 3 minutes: two deploys (test_engine_release.py rolls a release)
+def test_a_release_change_stops_every_prefill_and_decode_before_any_starts(pool):
+    """A prefill/decode pool moving to another vLLM release and back: its workers are not
+    rolled (the routers would pair a new prefill with an old decode worker) but all stop
+    before any starts on the new build, and each then reports the plan's release."""
+    inv, _ = pool
+    all_yml = Path(inv) / "group_vars" / "all.yml"
+    values = yaml.safe_load(all_yml.read_text())
+    units = [(h, f"gpufleet-{w}.service") for w, (h, _) in WORKERS.items()]
+    try:
+        for version in ("0.31.0", "0.33.0"):
+            all_yml.write_text(yaml.safe_dump(
+                {**values, "gpufleet_engine_versions": {"vllm": version}}))
+            proc = fab("deploy", "-i", inv)
+            assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+            assert "switch engine build: they restart together" in proc.stdout
+            times = []
+            for host, unit in units:
+                out = ssh(host, "systemctl show -p ActiveExitTimestampMonotonic "
+                                f"-p ActiveEnterTimestampMonotonic {unit}", check=True)
+                at = dict(line.split("=", 1) for line in out.split())
+                times.append((int(at["ActiveExitTimestampMonotonic"]),
+                              int(at["ActiveEnterTimestampMonotonic"])))
+            # the lab's hosts share one kernel: their monotonic clocks compare
+            assert max(e for e, _ in times) < min(s for _, s in times), times
+            for worker, (host, port) in WORKERS.items():
+                with urllib.request.urlopen(
+                        f"http://{ADDRESS[host]}:{port}/version", timeout=5) as r:
+                    assert json.loads(r.read())["version"] == version, worker
+    finally:
+        all_yml.write_text(yaml.safe_dump(values))
+
+
 @pytest.mark.slow  # about 100 s: one more deploy of the pool, under load
 def test_a_lower_count_stops_exactly_the_dropped_workers_and_loses_nothing(pool):
     """prefill-1 dropped under load: both routers let go of it through their API before it

@@ -193,6 +193,11 @@ def main():
         module.fail_json(msg=f"cannot read the CA file {p['ca_file']} for {url}: {exc}")
     last = ""
     restarts = unit_state(p["unit"]).get("NRestarts", "0")
+
+    def fail(msg, state):  # with the unit's state and its last journal lines
+        module.fail_json(msg=msg, unit_state=state,
+                         journal=journal(p["unit"], p["journal_lines"]))
+
     while True:
         state = unit_state(p["unit"])
         crashed = state.get("NRestarts", "0") != restarts
@@ -201,46 +206,36 @@ def main():
             what = "crashed and was restarted by systemd" if crashed else \
                 "crashed and waits to be restarted (activating, auto-restart)" if waiting else \
                 f"{state.get('ActiveState')} ({state.get('Result')})"
-            module.fail_json(
-                msg=f"{p['unit']} {what} while waiting for {stage}",
-                unit_state=state, journal=journal(p["unit"], p["journal_lines"]))
+            fail(f"{p['unit']} {what} while waiting for {stage}", state)
         try:
             status, last = probe(url, body, context=context)
         except urllib.error.URLError as exc:
-            module.fail_json(
-                msg=f"{url} serves a certificate that does not verify with "
-                    f"{p['ca_file'] or 'the host trust store'}: {exc.reason.verify_message}. "
-                    "Fix: give the certificate's CA (gpufleet_tls_ca_file), or a certificate "
-                    "that names this host (gpufleet_tls_cert_file)",
-                unit_state=state, journal=journal(p["unit"], p["journal_lines"]))
+            fail(f"{url} serves a certificate that does not verify with "
+                 f"{p['ca_file'] or 'the host trust store'}: {exc.reason.verify_message}. "
+                 "Fix: give the certificate's CA (gpufleet_tls_ca_file), or a certificate "
+                 "that names this host (gpufleet_tls_cert_file)", state)
         if status == 200:
             if stage == "health" and p["version_url"]:
                 got = release_of(p["version_url"])
                 if got != p["version"]:
-                    module.fail_json(
-                        msg=f"{p['unit']} answers, but reports release {got} at "
-                            f"{p['version_url']}, not {p['version']}, the plan's: it runs "
-                            "another environment. Fix: fab deploy again (it rebuilds a venv "
-                            "that is not its lock's); fab logs says which program started",
-                        unit_state=state, journal=journal(p["unit"], p["journal_lines"]))
+                    fail(f"{p['unit']} answers, but reports release {got} at "
+                         f"{p['version_url']}, not {p['version']}, the plan's: it runs "
+                         "another environment. Fix: fab deploy again (it rebuilds a venv "
+                         "that is not its lock's); fab logs says which program started", state)
             if stage == "generate" or not p["generate_url"]:
                 others = strangers(p["unit"], p["url"])
                 if others:
-                    module.fail_json(
-                        msg=f"{p['url']} answered, but not (only) from {p['unit']}: "
-                            f"{'; '.join(others)}. Fix: stop what holds the port, or move "
-                            "the plan's port (gpufleet_ports)",
-                        unit_state=state, journal=journal(p["unit"], p["journal_lines"]))
+                    fail(f"{p['url']} answered, but not (only) from {p['unit']}: "
+                         f"{'; '.join(others)}. Fix: stop what holds the port, or move "
+                         "the plan's port (gpufleet_ports)", state)
                 module.exit_json(changed=False, elapsed=round(time.monotonic() - start, 1))
             stage, url = "generate", p["generate_url"]
             if not url.endswith("/health_generate"):
                 body = {"model": p["served_name"], "prompt": "ping", "max_tokens": 1}
             continue
         if time.monotonic() > deadline:
-            module.fail_json(
-                msg=f"{p['unit']} did not answer {stage} at {url} within {p['timeout']} s "
-                    f"(last: {status or last})",
-                unit_state=state, journal=journal(p["unit"], p["journal_lines"]))
+            fail(f"{p['unit']} did not answer {stage} at {url} within {p['timeout']} s "
+                 f"(last: {status or last})", state)
         time.sleep(p["interval"])
 
 

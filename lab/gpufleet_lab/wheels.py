@@ -1,8 +1,8 @@
 """Fill the lab's wheel source and write the lab's engine locks: lab hosts install exactly
 the names and versions of the engine locks (gpufleet/catalog/locks/), as a real host does.
 
-The lab substitutes contents, never existence. For each lock the lab deploys (vllm, sglang,
-dynamo; x86_64, CPython 3.11, the lab hosts' Debian 12):
+The lab substitutes contents, never existence. For each lock the lab deploys (vllm at both
+its releases, sglang, dynamo; x86_64, CPython 3.11, the lab hosts' Debian 12):
 
 - the packages lab/standins/substitute.json names (the engines, torch, the CUDA
   libraries, FlashInfer, NIXL, Mooncake, and anything over 10 MB the lab does not run) are

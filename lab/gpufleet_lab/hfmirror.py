@@ -55,12 +55,14 @@ import copy
 import fnmatch
 import hashlib
 import json
+import random
 import socket
 import struct
 import sys
 import threading
 import time
 import uuid
+from array import array
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -294,13 +296,14 @@ def load_specs(data_dir: Path = DATA_DIR) -> tuple[dict, dict]:
 
 
 def _readme(repo_id: str, spec: dict) -> bytes:
+    kind = "model" if spec.get("real") else "placeholder"
     lines = ["---", f"license: {spec['license']}", "library_name: transformers"]
     lines.append(f"pipeline_tag: {spec['pipeline_tag']}")
     if spec.get("base_model"):
         lines += ["base_model:", f"- {spec['base_model']}"]
     lines += ["tags:"] + [f"- {tag}" for tag in spec["tags"]] + ["---", ""]
     lines += [
-        f"# {repo_id.split('/')[1]} (gpufleet lab placeholder)",
+        f"# {repo_id.split('/')[1]} (gpufleet lab {kind})",
         "",
         spec["summary"],
         "",
@@ -308,14 +311,97 @@ def _readme(repo_id: str, spec: dict) -> bytes:
         "tokenizer files are real-looking metadata; the safetensors shards hold a few",
         "placeholder tensors with synthetic bytes. Do not load them as model weights.",
         "",
+    ] if not spec.get("real") else [
+        "This repository is served by the gpufleet lab mirror: a real model of random",
+        "weights that an engine loads and runs (its answers mean nothing), with the GLM",
+        "tokenizer and chat template of the lab's placeholder checkpoints.",
+        "",
     ]
     return "\n".join(lines).encode()
+
+
+def _llama_tensors(config: dict) -> dict[str, list[int]]:
+    """Every tensor of a LlamaForCausalLM checkpoint of ``config``'s sizes, with its shape."""
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    head = config["head_dim"]
+    q, kv = config["num_attention_heads"] * head, config["num_key_value_heads"] * head
+    out = {"model.embed_tokens.weight": [config["vocab_size"], hidden],
+           "model.norm.weight": [hidden], "lm_head.weight": [config["vocab_size"], hidden]}
+    for layer in range(config["num_hidden_layers"]):
+        pre = f"model.layers.{layer}."
+        out.update({
+            pre + "input_layernorm.weight": [hidden],
+            pre + "post_attention_layernorm.weight": [hidden],
+            pre + "self_attn.q_proj.weight": [q, hidden],
+            pre + "self_attn.k_proj.weight": [kv, hidden],
+            pre + "self_attn.v_proj.weight": [kv, hidden],
+            pre + "self_attn.o_proj.weight": [hidden, q],
+            pre + "mlp.gate_proj.weight": [inter, hidden],
+            pre + "mlp.up_proj.weight": [inter, hidden],
+            pre + "mlp.down_proj.weight": [hidden, inter],
+        })
+    return out
+
+
+def _bf16(values: list[float]) -> bytes:
+    """Little-endian bfloat16 of ``values`` (each float32 cut to its upper 16 bits)."""
+    bits = array("I")
+    bits.frombytes(array("f", values).tobytes())
+    halves = array("H", (b >> 16 for b in bits))
+    if sys.byteorder == "big":
+        halves.byteswap()
+    return halves.tobytes()
+
+
+def real_weights(seed: str, config: dict) -> tuple[BytesBlob, dict[str, list[int]]]:
+    """A loadable safetensors file of random weights for ``config`` (deterministic from
+    ``seed``): norms 1, every other tensor normal with standard deviation 0.02."""
+    rng = random.Random(seed)
+    header: dict = {"__metadata__": {"format": "pt"}}
+    data = []
+    offset = 0
+    tensors = _llama_tensors(config)
+    for name in sorted(tensors):
+        count = 1
+        for dim in tensors[name]:
+            count *= dim
+        values = [1.0] * count if name.endswith("norm.weight") else \
+            [rng.gauss(0.0, 0.02) for _ in range(count)]
+        data.append(_bf16(values))
+        header[name] = {"dtype": "BF16", "shape": tensors[name],
+                        "data_offsets": [offset, offset + 2 * count]}
+        offset += 2 * count
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return BytesBlob(struct.pack("<Q", len(raw)) + raw + b"".join(data)), tensors
+
+
+def build_real_repo(repo_id: str, spec: dict) -> Repo:
+    """A small model a real engine loads and runs (``spec["real"]``): a Llama decoder of
+    the spec's config with random weights in one safetensors file, and the placeholder
+    checkpoints' GLM tokenizer and chat template (its vocabulary is the config's)."""
+    repo = Repo(repo_id, spec)
+    repo.add(".gitattributes", BytesBlob((DATA_DIR / "gitattributes").read_bytes()))
+    repo.add("README.md", BytesBlob(_readme(repo_id, spec)))
+    repo.add("config.json", BytesBlob(_json_bytes(spec["config"])))
+    for name in ("generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+        repo.add(name, BytesBlob((DATA_DIR / name).read_bytes()))
+    blob, tensors = real_weights(repo_id, spec["config"])
+    repo.add("model.safetensors", blob)
+    for shape in tensors.values():
+        count = 1
+        for dim in shape:
+            count *= dim
+        repo.params["BF16"] = repo.params.get("BF16", 0) + count
+    return repo
 
 
 def build_repo(
     repo_id: str, spec: dict, tensor_table: dict, shard_bytes: int | None = None
 ) -> Repo:
     """Build one placeholder repo; ``shard_bytes`` overrides the data file's shard size."""
+    if spec.get("real"):
+        return build_real_repo(repo_id, spec)
     repo = Repo(repo_id, spec)
     repo.add(".gitattributes", BytesBlob((DATA_DIR / "gitattributes").read_bytes()))
     repo.add("README.md", BytesBlob(_readme(repo_id, spec)))

@@ -121,7 +121,8 @@ def parse_safetensors(data: bytes) -> dict:
 
 
 def test_every_repo_has_the_checkpoint_files_and_valid_shards(mirror):
-    assert sorted(mirror.repos) == sorted(ALL_REPOS)
+    # the placeholder checkpoints (the lab's real model: tests/unit/test_lab_model.py)
+    assert sorted(mirror.repos) == sorted([*ALL_REPOS, "gpufleet-lab/GLM-5.3-Tiny"])
     for repo_id in ALL_REPOS:
         files = mirror.repos[repo_id].files
         for name in (

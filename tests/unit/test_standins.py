@@ -15,6 +15,7 @@ import shlex
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -505,6 +506,33 @@ def test_vllm_with_a_shutdown_timeout_drains_then_exits_on_sigterm(env, start):
     # (its count may still hold it: the reply goes out before the count drops)
     assert re.search(r"Shutdown requested: waiting up to 30 s for [01] request\(s\) in flight",
                      server.log.read_text())
+
+
+def test_a_draining_vllm_fails_new_work_with_500_and_its_health_stays_200(env, start):
+    """As real vLLM 0.32.0 does (tests/integration/test_real_vllm_cpu.py): while it drains,
+    the request in flight finishes, a new one gets the engine client's error (500), and
+    /health still answers 200 (a router's health check does not see the drain; the pools'
+    rolling restart takes a worker out of the routers before it stops it)."""
+    server = start(f"vllm serve {FLASH} -tp 4 --port PORT --host 127.0.0.1 "
+                   "--shutdown-timeout 30", {**env, "GPUFLEET_LAB_STEP_MS": "300"})
+    answer: dict = {}
+    worker = threading.Thread(target=lambda: answer.update(done=http(
+        server.url + "/v1/completions",
+        {"model": FLASH, "prompt": "hi", "max_tokens": 40, "ignore_eos": True}, timeout=30)))
+    worker.start()
+    time.sleep(0.5)  # its answer's tokens at 300 ms each: in flight for seconds
+    server.proc.terminate()
+    time.sleep(0.3)
+    assert http(server.url + "/health")[0] == 200
+    status, text = http(server.url + "/v1/completions",
+                        {"model": FLASH, "prompt": "x", "max_tokens": 1})
+    assert status == 500 and json.loads(text)["error"] == {
+        "message": "cannot schedule new futures after shutdown",
+        "type": "InternalServerError", "param": None, "code": 500}, text
+    worker.join(30)
+    assert answer["done"][0] == 200, answer
+    assert json.loads(answer["done"][1])["usage"]["completion_tokens"] > 3
+    assert server.proc.wait(10) == 0
 
 
 def test_a_paced_engine_runs_at_most_its_running_request_cap_at_once(env, start):

@@ -117,9 +117,9 @@ def _setup_pd(engine: Engine) -> None:
 
 
 def _stop(engine) -> None:
-    """SIGTERM. vLLM with --shutdown-timeout N > 0 refuses new requests (503, /health too)
-    and exits once those in flight are done, or after N s; else (vLLM's default 0,
-    SGLang) it exits at once, aborting them."""
+    """SIGTERM. vLLM with --shutdown-timeout N > 0 fails new requests (500; /health still
+    answers 200, as real vLLM's does) and exits once those in flight are done, or after
+    N s; else (vLLM's default 0, SGLang) it exits at once, aborting them."""
     grace = float(engine.s.get("--shutdown-timeout") or 0) if engine and engine.vllm else 0
     if grace <= 0:
         sys.exit(0)

@@ -352,9 +352,12 @@ class Handler(JSONHandler):
         if not self.authorized(path):
             return self.send_json(401, {"error": "Unauthorized"})
         if path.startswith("/health"):
-            return self.send_text(503 if not e.ready or e.dead or e.draining else 200, "")
-        if e.draining and method == "POST":  # stopping: new work is refused, not queued
-            return self.send_error_json("The server is shutting down.", 503)
+            return self.send_text(503 if not e.ready or e.dead else 200, "")
+        # vLLM draining (SIGTERM with --shutdown-timeout): its engine client is shut down,
+        # so new work fails with its error, 500, while /health (200), /v1/models and
+        # /metrics still answer (real vLLM 0.32.0: tests/integration/test_real_vllm_cpu.py)
+        if e.draining and method == "POST":
+            return self.send_error_json("cannot schedule new futures after shutdown", 500)
         if not e.ready:
             return self.send_error_json("The server is still starting.", 503)
         handler = ROUTES.get((method, path))

@@ -55,6 +55,7 @@ import copy
 import fnmatch
 import hashlib
 import json
+import math
 import random
 import socket
 import struct
@@ -362,9 +363,7 @@ def real_weights(seed: str, config: dict) -> tuple[BytesBlob, dict[str, list[int
     offset = 0
     tensors = _llama_tensors(config)
     for name in sorted(tensors):
-        count = 1
-        for dim in tensors[name]:
-            count *= dim
+        count = math.prod(tensors[name])
         values = [1.0] * count if name.endswith("norm.weight") else \
             [rng.gauss(0.0, 0.02) for _ in range(count)]
         data.append(_bf16(values))
@@ -380,19 +379,22 @@ def build_real_repo(repo_id: str, spec: dict) -> Repo:
     """A small model a real engine loads and runs (``spec["real"]``): a Llama decoder of
     the spec's config with random weights in one safetensors file, and the placeholder
     checkpoints' GLM tokenizer and chat template (its vocabulary is the config's)."""
+    repo = _repo_with_metadata(repo_id, spec)
+    blob, tensors = real_weights(repo_id, spec["config"])
+    repo.add("model.safetensors", blob)
+    repo.params["BF16"] = sum(math.prod(shape) for shape in tensors.values())
+    return repo
+
+
+def _repo_with_metadata(repo_id: str, spec: dict) -> Repo:
+    """A repo with the files besides the weights: .gitattributes, README, config, the
+    generation config and the tokenizer's two files."""
     repo = Repo(repo_id, spec)
     repo.add(".gitattributes", BytesBlob((DATA_DIR / "gitattributes").read_bytes()))
     repo.add("README.md", BytesBlob(_readme(repo_id, spec)))
     repo.add("config.json", BytesBlob(_json_bytes(spec["config"])))
     for name in ("generation_config.json", "tokenizer.json", "tokenizer_config.json"):
         repo.add(name, BytesBlob((DATA_DIR / name).read_bytes()))
-    blob, tensors = real_weights(repo_id, spec["config"])
-    repo.add("model.safetensors", blob)
-    for shape in tensors.values():
-        count = 1
-        for dim in shape:
-            count *= dim
-        repo.params["BF16"] = repo.params.get("BF16", 0) + count
     return repo
 
 
@@ -402,12 +404,7 @@ def build_repo(
     """Build one placeholder repo; ``shard_bytes`` overrides the data file's shard size."""
     if spec.get("real"):
         return build_real_repo(repo_id, spec)
-    repo = Repo(repo_id, spec)
-    repo.add(".gitattributes", BytesBlob((DATA_DIR / "gitattributes").read_bytes()))
-    repo.add("README.md", BytesBlob(_readme(repo_id, spec)))
-    repo.add("config.json", BytesBlob(_json_bytes(spec["config"])))
-    for name in ("generation_config.json", "tokenizer.json", "tokenizer_config.json"):
-        repo.add(name, BytesBlob((DATA_DIR / name).read_bytes()))
+    repo = _repo_with_metadata(repo_id, spec)
     for name, obj in spec.get("extra_json", {}).items():
         repo.add(name, BytesBlob(_json_bytes(obj)))
 

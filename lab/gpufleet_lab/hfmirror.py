@@ -4,7 +4,9 @@ The real ``huggingface_hub`` client downloads from it through ``HF_ENDPOINT``, e
 it would from the Hub or from a corporate mirror. It serves small placeholder checkpoints
 under the real repo ids (real-looking config, tokenizer, valid safetensors shards and
 their index) with deterministic content, so SHA-256s, git blob ids and commit ids are
-stable. It can gate a repo behind a token and cut transfers mid-file on request.
+stable, and one real model under its own id, ``gpufleet-lab/GLM-5.3-Tiny``: a small Llama
+decoder of random weights a real engine loads and runs. It can gate a repo behind a token
+and cut transfers mid-file on request.
 
 Why not an existing mirror: ``olah`` (PyPI, 0.5.4) was evaluated. It is a proxy/cache
 for the Hub; its offline "mirrors-path" mode serves local *git* repositories whose LFS
@@ -401,7 +403,8 @@ def _repo_with_metadata(repo_id: str, spec: dict) -> Repo:
 def build_repo(
     repo_id: str, spec: dict, tensor_table: dict, shard_bytes: int | None = None
 ) -> Repo:
-    """Build one placeholder repo; ``shard_bytes`` overrides the data file's shard size."""
+    """Build one repo: a placeholder (``shard_bytes`` overrides the data file's shard
+    size), or the real model where the spec says ``real``."""
     if spec.get("real"):
         return build_real_repo(repo_id, spec)
     repo = _repo_with_metadata(repo_id, spec)

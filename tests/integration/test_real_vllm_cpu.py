@@ -12,9 +12,10 @@ gpufleet and its stand-ins assume:
 - /metrics: every vllm:* family the stand-in declares (lab/standins/.../metrics.json) and
   every one the dashboard and the alerts read exists with the stand-in's type, label names
   and histogram buckets;
-- SIGTERM with a request in flight (the pools' --shutdown-timeout): the request finishes
-  whole; meanwhile /health still answers 200 and a new request fails with 500 (the
-  stand-in answered 503 to both until this test showed otherwise); the process exits 0;
+- SIGTERM with requests in flight (the pools' --shutdown-timeout; three of 4,000 tokens,
+  one running at a time, so the drain outlasts the checks): each finishes whole;
+  meanwhile /health still answers 200 and a new request fails with 500 (the stand-in
+  answered 503 to both until this test showed otherwise); the process exits 0;
 - while it loads, nothing listens on its port;
 - a misspelt flag is refused at start, in vLLM's words.
 
@@ -286,17 +287,18 @@ def test_metrics_are_the_ones_the_standin_claims_and_the_dashboard_reads(engine)
     assert used and not wrong, "\n".join(wrong)
 
 
-def test_sigterm_finishes_the_request_in_flight_and_takes_no_new_one(venv, model, tmp_path):
-    # the model's whole context: a request long enough to be in flight through the checks
+def test_sigterm_finishes_the_requests_in_flight_and_takes_no_new_one(venv, model, tmp_path):
+    # three requests of the model's whole context, one running at a time (--max-num-seqs
+    # 1): the drain lasts two whole requests at least, so the checks below fall inside it
     eng = Engine(venv, model, tmp_path / "engine.log", "--shutdown-timeout", "60",
-                 max_model_len=4096)
+                 "--max-num-seqs", "1", max_model_len=4096)
     try:
         eng.ready()
         streaming = threading.Event()
-        result: dict = {"chunks": 0}
+        results: list[dict] = [{"chunks": 0} for _ in range(3)]
 
-        def long_request():
-            """A streamed completion of 4,000 tokens (several seconds here), counted."""
+        def long_request(result: dict):
+            """A streamed completion of 4,000 tokens, counted."""
             req = urllib.request.Request(eng.url + "/v1/completions", headers={
                 "Content-Type": "application/json"}, data=json.dumps({
                     "model": TINY, "prompt": "hello", "max_tokens": 4000, "ignore_eos": True,
@@ -314,9 +316,10 @@ def test_sigterm_finishes_the_request_in_flight_and_takes_no_new_one(venv, model
                 result["error"] = repr(exc)
             streaming.set()
 
-        worker = threading.Thread(target=long_request)
-        worker.start()
-        assert streaming.wait(60) and "error" not in result, result
+        workers = [threading.Thread(target=long_request, args=(r,)) for r in results]
+        for worker in workers:
+            worker.start()
+        assert streaming.wait(60) and not any("error" in r for r in results), results
         eng.proc.send_signal(signal.SIGTERM)
         time.sleep(0.5)
         # while it drains: health still 200, new work fails with the engine client's
@@ -324,17 +327,19 @@ def test_sigterm_finishes_the_request_in_flight_and_takes_no_new_one(venv, model
         health = eng.get("/health", timeout=10)[0]
         refused = eng.post("/v1/completions", {"model": TINY, "prompt": "x",
                                                 "max_tokens": 1}, timeout=10)
-        in_flight = worker.is_alive()
-        worker.join(240)
-        assert in_flight, "the request ended before SIGTERM reached the engine: " \
-                          "make it longer"
-        assert result.get("done") and "error" not in result, result
-        assert result["last"]["usage"]["completion_tokens"] == 4000, result["last"]
+        in_flight = sum(worker.is_alive() for worker in workers)
+        for worker in workers:
+            worker.join(240)
+        assert in_flight, "the requests ended before SIGTERM reached the engine: " \
+                          "make them longer"
+        for result in results:
+            assert result.get("done") and "error" not in result, result
+            assert result["last"]["usage"]["completion_tokens"] == 4000, result["last"]
         assert health == 200
         assert refused[0] == 500 and json.loads(refused[1]["error"])["error"]["message"] == \
             "cannot schedule new futures after shutdown", refused
         assert eng.proc.wait(120) == 0, eng.tail()
-        print(f"\nSIGTERM with a request in flight: it finished ({result['chunks']} chunks); "
+        print(f"\nSIGTERM with {in_flight} requests in flight: each finished whole; "
               f"meanwhile health {health}, a new request {refused[0]}")
     finally:
         eng.stop()

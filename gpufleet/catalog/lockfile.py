@@ -4,16 +4,20 @@ against the package index. scripts/lock writes them; tests/unit/test_locks.py ch
 A lock is pip's requirements format with hashes. Its header comment lines `# KEY: VALUE`
 say what it was made from: engine, arch, python, platform, index, glibc (the newest
 manylinux glibc among its wheels, i.e. the host's floor), requirement (one line per
-top-level requirement), excluded (one line per package left out, with why).
+top-level requirement), excluded (one line per package left out, with why), find-links
+(the page an engine's pins the index lacks come from, engines.yml lock_find_links).
 """
 
 from __future__ import annotations
 
 import email.parser
+import hashlib
+import html.parser
 import io
 import json
 import re
 import urllib.error
+import urllib.parse
 import urllib.request
 import zipfile
 from concurrent.futures import ThreadPoolExecutor
@@ -87,6 +91,75 @@ def index_files(index: str, names: set[str], workers: int = 16) -> dict[str, lis
 
     with ThreadPoolExecutor(workers) as pool:
         return dict(pool.map(fetch, sorted(names)))
+
+
+class _Anchors(html.parser.HTMLParser):
+    """The href of each <a> of a page."""
+
+    def __init__(self):
+        super().__init__()
+        self.hrefs: list[str] = []
+
+    def handle_starttag(self, tag, attrs):
+        if tag == "a":
+            self.hrefs += [v for k, v in attrs if k == "href" and v]
+
+
+def page_files(page: str, url: str) -> list[dict]:
+    """The wheels a find-links page (pip's and uv's --find-links URL, a PEP 503 page) links
+    to with a sha256 (`...whl#sha256=HEX`), as index_files gives files: filename, url
+    (relative hrefs resolved against the page's URL), hashes."""
+    parser = _Anchors()
+    parser.feed(page)
+    found = []
+    for href in parser.hrefs:
+        target, fragment = urllib.parse.urldefrag(urllib.parse.urljoin(url, href))
+        filename = urllib.parse.unquote(urllib.parse.urlsplit(target).path.rsplit("/", 1)[-1])
+        algo, _, digest = fragment.partition("=")
+        if filename.endswith(".whl") and algo == "sha256" and digest:
+            found.append({"filename": filename, "url": target, "hashes": {"sha256": digest}})
+    return found
+
+
+def dir_files(directory: Path) -> list[dict]:
+    """The wheels of a local find-links directory, as index_files gives files: filename,
+    url (file://), hashes (sha256, computed)."""
+    found = []
+    for path in sorted(Path(directory).glob("*.whl")):
+        digest = hashlib.sha256()
+        with path.open("rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                digest.update(chunk)
+        found.append({"filename": path.name, "url": path.resolve().as_uri(),
+                      "hashes": {"sha256": digest.hexdigest()}})
+    return found
+
+
+def find_links_files(where: str) -> dict[str, list[dict]]:
+    """name -> the wheels of a find-links source, a local directory or an http(s) page,
+    as index_files gives them (merge_files adds them to the index's)."""
+    if where.startswith(("http://", "https://")):
+        with urllib.request.urlopen(where, timeout=60) as resp:
+            found = page_files(resp.read().decode(resp.headers.get_content_charset() or "utf-8"),
+                               resp.geturl())
+    else:
+        found = dir_files(Path(where))
+    by_name: dict[str, list[dict]] = {}
+    for f in found:
+        by_name.setdefault(str(canonicalize_name(parse_wheel_filename(f["filename"])[0])),
+                           []).append(f)
+    return by_name
+
+
+def merge_files(*sources: dict[str, list[dict]]) -> dict[str, list[dict]]:
+    """index_files-like maps merged per name; a file (by sha256) listed twice is kept once."""
+    merged: dict[str, list[dict]] = {}
+    for source in sources:
+        for name, files in source.items():
+            seen = {f["hashes"].get("sha256") for f in merged.get(name, [])}
+            merged.setdefault(name, []).extend(
+                f for f in files if f["hashes"].get("sha256") not in seen)
+    return merged
 
 
 def version_of(filename: str) -> str | None:
@@ -220,8 +293,12 @@ class _RangeFile(io.RawIOBase):
 
 @cache
 def wheel_requires(url: str) -> tuple[str, ...]:
-    """A wheel's Requires-Dist, read from its METADATA over range requests."""
-    with zipfile.ZipFile(_RangeFile(url)) as wheel:
+    """A wheel's Requires-Dist, read from its METADATA: over range requests, or from the
+    file itself for a file:// url (a local find-links directory)."""
+    local = url.startswith("file:")
+    source = (urllib.request.url2pathname(urllib.parse.urlsplit(url).path) if local
+              else _RangeFile(url))
+    with zipfile.ZipFile(source) as wheel:
         (name,) = [n for n in wheel.namelist()
                    if n.count("/") == 1 and n.endswith(".dist-info/METADATA")]
         metadata = email.parser.BytesParser().parsebytes(wheel.read(name))
@@ -232,7 +309,8 @@ def requires_of(lock: Lock, files: dict[str, list[dict]],
                 workers: int = 16) -> dict[str, list[str]]:
     """name -> the Requires-Dist of each pin of the lock, read from the pinned wheel that
     installs on the lock's arch and Python (the index serves no separate metadata), one
-    wheel per pin, in parallel. `files`: index_files of the lock's names."""
+    wheel per pin, in parallel. `files`: index_files of the lock's names (merge_files with
+    find_links_files for a lock with pins from a find-links source)."""
     python, arch = lock.one("python"), lock.one("arch")
 
     def fetch(name: str) -> tuple[str, list[str]]:

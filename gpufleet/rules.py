@@ -120,7 +120,7 @@ def weights_fit(plan: Plan, catalog) -> list[Problem]:
         try:
             fraction = float(p.args.get("--gpu-memory-utilization")
                              or p.args.get("--mem-fraction-static")
-                             or DEFAULT_MEM_FRACTION[plan.target.engine])
+                             or DEFAULT_MEM_FRACTION[plan.speaks])
         except (TypeError, ValueError):
             continue  # not a number: engine_limits says so
         usable = gpus * gib_per_gpu * fraction

@@ -108,10 +108,11 @@ def plan_case(case: Case, catalog=None):
 def all_shapes() -> dict[str, list[Case]]:
     """Every shape over every offered target and every combination of the variants that
     plans (a combination the planner refuses, such as a pool with replicas, is no shape),
-    each with the cases that have it, in catalog order."""
+    each with the cases that have it, in catalog order. A lab-only target (lab-cpu) is no
+    shape a user can ask for: its own lab tests deploy it (test_lab_cpu*.py)."""
     catalog = cat.load()
     out: dict[str, list[Case]] = {}
-    for name in catalog.targets:
+    for name in (n for n, t in catalog.targets.items() if not t.lab):
         for k in range(len(VARIANTS) + 1):
             for variants in itertools.combinations(VARIANTS, k):
                 case = Case(name, variants)

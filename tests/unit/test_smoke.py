@@ -308,7 +308,11 @@ def test_options_from_plan():
     plan["model"].setdefault("modalities", modalities("gb200-tray"))
     opts = smoke.options_from_plan(plan)
     assert opts == {"base_url": "https://workers-1:8000/v1", "model": FLASH, "engine": "vllm",
-                    "multimodal": True, "image_limit": 1, "anthropic": False}
+                    "multimodal": True, "image_limit": 1, "anthropic": False,
+                    "answers": True}
+    # the lab's real engine: vLLM's API (its engine speaks vllm), a random-weight model
+    lab = smoke.options_from_plan(make_plan("lab-cpu").to_json())
+    assert (lab["engine"], lab["answers"], lab["multimodal"]) == ("vllm", False, False)
     with pytest.raises(ValueError, match="engine must be one of"):
         smoke.run_smoke("http://x/v1", FLASH, "tgi")
 
@@ -362,3 +366,17 @@ def test_settle_rides_through_a_refused_connection():
     t0 = time.monotonic()
     assert smoke.settle(s, 1, say=lambda *a, **k: None) is None
     assert time.monotonic() - t0 >= 1
+
+
+def test_a_random_weight_model_skips_the_checks_that_read_an_answer(flash):
+    """answers=False (the lab's real model): what a model of random weights cannot do is
+    skipped with the reason; what it can is still checked (a stream's chunks and finish)."""
+    checks = by_name(smoke.run_smoke(flash.url, FLASH, "vllm", answers=False, timeout=20))
+    for name in ("ready", "reasoning", "tool_call", "json_schema", "clear_thinking"):
+        assert checks[name].skipped and "random weights" in checks[name].detail, checks[name]
+    for name in ("models", "stream", "completions"):
+        assert checks[name].ok and not checks[name].skipped, checks[name]
+    assert "answer not read" in checks["stream"].detail
+    # the same server with answers read: READY is checked
+    assert "READY" in by_name(smoke.run_smoke(flash.url, FLASH, "vllm", only=["stream"],
+                                              timeout=20))["stream"].detail

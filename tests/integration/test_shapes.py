@@ -72,9 +72,10 @@ def _shape_params():
 
 
 def _target_params():
-    """Every target that is no shape's representative (those deploy as their shape)."""
+    """Every target that is no shape's representative (those deploy as their shape), but a
+    lab-only one (lab-cpu: test_lab_cpu*.py deploy it)."""
     return [pytest.param(name, id=name, marks=pytest.mark.slow)
-            for name in cat.load().targets if name not in SHAPE_OF]
+            for name, t in cat.load().targets.items() if name not in SHAPE_OF and not t.lab]
 
 
 def _hardware(case: shapes.Case) -> str:

@@ -179,3 +179,22 @@ def lab_inventory(tmp_path: Path, all_vars: dict | None = None, host_vars: dict 
             group_vars[key] = value
     (dst / "group_vars" / "all.yml").write_text(yaml.safe_dump(group_vars))
     return str(dst)
+
+
+def env_client(inv: str, timeout: float = 30) -> openai.OpenAI:
+    """The real OpenAI client as a user sets it up from `fab endpoint --format env`."""
+    out = fab("endpoint", "-i", inv, "--format", "env")
+    assert out.returncode == 0, out.stderr
+    env = dict(line.split("=", 1) for line in out.stdout.split())
+    return openai.OpenAI(base_url=env["OPENAI_BASE_URL"], api_key=env["OPENAI_API_KEY"],
+                         max_retries=0, timeout=timeout, http_client=openai.DefaultHttpxClient(
+                             verify=ssl.create_default_context(cafile=env["SSL_CERT_FILE"])))
+
+
+def requests_finished(address: str, port: int) -> float:
+    """Requests a vLLM engine finished (vllm:request_success_total, every reason), read from
+    its /metrics at address:port."""
+    with urllib.request.urlopen(f"http://{address}:{port}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    return sum(float(v) for v in
+               re.findall(r"^vllm:request_success_total\{.*\} (\S+)$", text, re.M))

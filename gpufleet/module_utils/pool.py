@@ -1,5 +1,6 @@
 """A pool's routers through their worker API, as vllm-router and sglang-router serve it:
-a worker out of their pools and back, and the workers a plan drops. Stdlib only: the
+a worker out of their pools and back, the workers a plan drops, and a router that has just
+started until it routes only to workers that serve. Stdlib only: the
 gpufleet_pool module runs it on the routers' host, on every host Python."""
 
 from __future__ import annotations
@@ -118,6 +119,38 @@ def back(move, p, check_mode):
                 raise PoolError(f"{router['unit']} does not list {move['url']} healthy "
                                 f"{p['wait_s']} s after it served again")
     return calls
+
+
+def unserved(listing, health_path, timeout):
+    """The workers a router lists healthy that do not answer their own health check."""
+    return [w["url"] for w in listing if w.get("is_healthy") and request(
+        "GET", w["url"].rstrip("/") + health_path, timeout=timeout)[0] != 200]
+
+
+def settled(router, p, check_mode):
+    """Wait until the router routes only to workers that serve: a router that starts takes
+    every worker of its flags as healthy and sends requests to one that is down until its
+    own health check has failed it (seconds), so the next router of the pool restarts only
+    then. Sends nothing."""
+    if check_mode:
+        return []
+    found = []
+
+    def check():
+        listing = workers(router)
+        found[:] = [None] if listing is None else \
+            unserved(listing, p["health_path"], p["interval"] + 1)
+        return not found
+    if poll(check, p["wait_s"], p["interval"]):
+        return []
+    if found == [None]:
+        raise PoolError(f"{router['unit']} does not answer {router['workers_url']} "
+                        f"{p['wait_s']} s after it started. Fix: fab logs --role router")
+    raise PoolError(
+        f"{router['unit']} still lists {', '.join(found)} healthy {p['wait_s']} s after it "
+        f"started, though it does not answer {p['health_path']}: requests sent there fail. "
+        "Fix: fab status names the worker that is down; bring it back (fab logs) or lower "
+        "gpufleet_workers, then run the restart again")
 
 
 def dropped(drop, check_mode):

@@ -528,6 +528,11 @@ def test_a_failed_canary_stops_the_roll_with_the_later_workers_serving(pool):
             " did not serve again") in proc.stdout, proc.stdout[-4000:]
     assert "Fix: fab logs --role decode" in proc.stdout
     assert "Roll | Restart, batch 3" not in proc.stdout
+    # each router, restarted after the failed batch with the worker that did not come back
+    # on its flags, was waited for until its health check had failed that worker, before
+    # the next router restarted (else the gateway has neither to send to: 502s)
+    for router in ("gpufleet-router.service", "gpufleet-router-1.service"):
+        assert f"Until it routes only to workers that serve: {router}" in proc.stdout
     # the canary's other worker restarted and serves; the later batch's was left alone
     assert "gpufleet-decode.service" not in after["lab1"]
     assert after["lab2"]["gpufleet-decode-1.service"] != before["lab2"]["gpufleet-decode-1.service"]

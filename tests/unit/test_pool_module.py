@@ -57,16 +57,23 @@ def start_pool(engine: str, procs: Procs, tmp_path: Path, workers=("worker", "wo
     env = base.lab_env(tmp_path, procs.venv)
     servers = [procs.start(ENGINES[engine], {**env, "CUDA_VISIBLE_DEVICES": gpus}, name).wait()
                for name, gpus in zip(workers, ("0,1,2,3", "4,5,6,7"), strict=True)]
-    flags = " ".join(f"{k} {v}" for k, v in catalog.load().engines[engine]
-                     .pool_args["router"].items() if k != "--prometheus-port")
-    cmd = (f"{ROUTERS[engine]} --worker-urls {' '.join(s.url for s in servers)} "
-           f"--policy round_robin --host 127.0.0.1 --port $port --prometheus-port $prom {flags}")
-    router = procs.start(cmd, {k: v for k, v in env.items() if not k.startswith("GPUFLEET")},
-                         "router", prom=free_port()).wait(timeout=30)
-    out = proc("router", "router", router.port)
+    out = start_router(engine, procs, tmp_path, [s.url for s in servers])
     # sglang-router adds the workers of its flags in the background after it answers
     pool.poll(lambda: all(listed(out).get(s.url, {}).get("is_healthy") for s in servers), 30, 0.2)
     return out, [proc(name, "worker", s.port) for name, s in zip(workers, servers, strict=True)]
+
+
+def start_router(engine: str, procs: Procs, tmp_path: Path, urls: list[str],
+                 name: str = "router", **flags) -> Process:
+    """The engine's real router with the pool's router flags (and flags) before urls."""
+    env = base.lab_env(tmp_path, procs.venv)
+    flags = {**catalog.load().engines[engine].pool_args["router"], **flags}
+    cmd = (f"{ROUTERS[engine]} --worker-urls {' '.join(urls)} --policy round_robin "
+           "--host 127.0.0.1 --port $port --prometheus-port $prom "
+           + " ".join(f"{k} {v}" for k, v in flags.items() if k != "--prometheus-port"))
+    router = procs.start(cmd, {k: v for k, v in env.items() if not k.startswith("GPUFLEET")},
+                         name, prom=free_port()).wait(timeout=30)
+    return proc(name, "router", router.port)
 
 
 def move_of(worker: Process, router: Process, engine: str) -> dict:
@@ -152,6 +159,40 @@ def test_a_router_lets_go_of_exactly_the_workers_the_plan_drops(engine, procs, t
     # one that does not answer: nothing to do
     assert pool.dropped({**drop, "workers_url": f"http://127.0.0.1:{free_port()}/workers"},
                         check_mode=False) == []
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_a_router_just_started_is_waited_for_until_it_routes_only_to_workers_that_serve(
+        engine, procs, tmp_path):
+    """A router restarted while one of its workers is down (a failed canary's) first routes
+    to it too: settled returns only once it lists no worker healthy that does not answer."""
+    router, (first, second) = start_pool(engine, procs, tmp_path)
+    pool_router = {"unit": "gpufleet-router.service",
+                   "workers_url": f"http://127.0.0.1:{router.ports['http']}/workers"}
+    args = {**ARGS, "health_path": "/health"}
+    assert pool.settled(pool_router, args, check_mode=False) == []  # every worker serves
+    procs.servers[1].stop()
+    again = start_router(engine, procs, tmp_path, [worker_url(first), worker_url(second)],
+                         "router-1")
+    pool_router["workers_url"] = f"http://127.0.0.1:{again.ports['http']}/workers"
+    pool.settled(pool_router, args, check_mode=False)
+    now = listed(again)
+    assert now[worker_url(first)]["is_healthy"]
+    assert not now.get(worker_url(second), {}).get("is_healthy")
+    if engine == "sglang":
+        return  # sglang-router takes a worker of its flags only once it answers
+    # vllm-router lists it healthy at first; one whose health check takes a minute (the
+    # default) is named once the wait is up
+    late = start_router(engine, procs, tmp_path, [worker_url(first), worker_url(second)],
+                        "router-2", **{"--health-check-interval-secs": 60})
+    late_router = {"unit": "gpufleet-router-2.service",
+                   "workers_url": f"http://127.0.0.1:{late.ports['http']}/workers"}
+    with pytest.raises(pool.PoolError, match=rf"gpufleet-router-2.service still lists "
+                       rf"{worker_url(second)} healthy 2 s after it started"):
+        pool.settled(late_router, {**args, "wait_s": 2}, check_mode=False)
+    gone = {**late_router, "workers_url": f"http://127.0.0.1:{free_port()}/workers"}
+    with pytest.raises(pool.PoolError, match="does not answer"):
+        pool.settled(gone, {**args, "wait_s": 1}, check_mode=False)
 
 
 ROUND = """

@@ -1,5 +1,6 @@
 """Ansible module gpufleet_pool: move a pool's worker out of its routers' pools and back in,
-or take out of a router's pool the workers the plan no longer gives it."""
+take out of a router's pool the workers the plan no longer gives it, or wait until a router
+that has just started routes only to workers that serve."""
 
 from __future__ import annotations
 
@@ -20,6 +21,10 @@ description:
   - C(state=dropped) takes out of a router's pool every worker it lists that the plan does
     not keep; a router that does not answer, or none of whose workers the plan keeps (it
     names its workers otherwise), is left alone.
+  - C(state=settled) waits until the I(router) lists healthy only workers that answer their
+    health check (I(health_path)): a router that has just started takes every worker of its
+    flags as healthy and sends requests to one that is down until its own health check has
+    failed it. Sends nothing; fails, naming the worker, after I(wait_s).
   - In check mode it reads the routers (a refusal is reported as it would be) and sends
     nothing.
 options:
@@ -27,16 +32,25 @@ options:
     description: What to do.
     type: str
     required: true
-    choices: [out, in, dropped]
+    choices: [out, in, dropped, settled]
   move:
     description: The worker's pool move (plan readiness.pool); for out and in.
     type: dict
   drop:
     description: The router's drop (plan readiness.drop); for dropped.
     type: dict
+  router:
+    description: The router (plan readiness.pool.routers item, or readiness.drop with its
+      unit); for settled.
+    type: dict
+  health_path:
+    description: The workers' health check path, as the router's (settled).
+    type: str
+    default: /health
   wait_s:
-    description: Seconds to wait for another healthy worker (out), or for the worker listed
-      healthy again (in; 0 sends the calls only).
+    description: Seconds to wait for another healthy worker (out), for the worker listed
+      healthy again (in; 0 sends the calls only), or for the router to list healthy only
+      workers that answer (settled).
     type: int
     default: 60
   unlist_s:
@@ -68,6 +82,11 @@ EXAMPLES = r"""
     state: dropped
     drop: "{{ item.readiness.drop }}"
   loop: "{{ gpufleet_host.processes | selectattr('readiness.drop', 'defined') | list }}"
+
+- name: A router just restarted routes only to workers that serve
+  gpufleet.fleet.gpufleet_pool:
+    state: settled
+    router: "{{ restart_one }}"
 """
 
 RETURN = r"""
@@ -90,21 +109,25 @@ from ansible_collections.gpufleet.fleet.plugins.module_utils.pool import (
     back,
     dropped,
     out,
+    settled,
 )
 
 
 def main():
     module = AnsibleModule(
         argument_spec={
-            "state": {"type": "str", "required": True, "choices": ["out", "in", "dropped"]},
+            "state": {"type": "str", "required": True,
+                      "choices": ["out", "in", "dropped", "settled"]},
             "move": {"type": "dict"},
             "drop": {"type": "dict"},
+            "router": {"type": "dict"},
+            "health_path": {"type": "str", "default": "/health"},
             "wait_s": {"type": "int", "default": 60},
             "unlist_s": {"type": "int", "default": 15},
             "interval": {"type": "float", "default": 2},
         },
         required_if=[("state", "out", ["move"]), ("state", "in", ["move"]),
-                     ("state", "dropped", ["drop"])],
+                     ("state", "dropped", ["drop"]), ("state", "settled", ["router"])],
         supports_check_mode=True,
     )
     p, start = module.params, time.monotonic()
@@ -113,6 +136,8 @@ def main():
             calls = out(p["move"], p, module.check_mode)
         elif p["state"] == "in":
             calls = back(p["move"], p, module.check_mode)
+        elif p["state"] == "settled":
+            calls = settled(p["router"], p, module.check_mode)
         else:
             calls = dropped(p["drop"], module.check_mode)
     except PoolError as exc:

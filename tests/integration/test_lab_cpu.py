@@ -18,9 +18,10 @@ it. What only a real engine shows, checked through the deployment:
   start, and the deploy fails naming the unit and the engine's own words; the deployment
   before it is back by the next deploy.
 
-The pool (two hosts behind vllm-router, rolled under load with the real SIGTERM drain) is
-test_lab_cpu_pool.py. Slow: ``./scripts/test --slow`` or
-``flock /tmp/gpufleet-lab.lock .venv/bin/pytest -s tests/integration/test_lab_cpu.py``.
+One deploy, shared by the tests here: they run in every test run (about 5 minutes, the
+first time after a wipe of the lab's caches with the fetch of the lock's files) but the
+refused flag, which deploys twice more (``--slow``). The pool (two hosts behind vllm-router,
+rolled under load with the real SIGTERM drain) is test_lab_cpu_pool.py, ``--slow``.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from labutil import api_client, endpoint, fab, http_status, lab_inventory, ssh, 
 
 from gpufleet_lab import wheels
 
-pytestmark = [pytest.mark.lab, pytest.mark.slow]
+pytestmark = pytest.mark.lab
 
 TARGET = "lab-cpu"
 MODEL = "gpufleet-lab/GLM-5.3-Tiny"
@@ -68,6 +69,9 @@ def smoke_rows(out: str) -> dict[str, tuple[str, str]]:
 def test_the_deploy_serves_the_real_engine_and_its_smoke_test_passes(deployed):
     inv, proc, out = deployed
     assert proc.returncode == 0, out[-6000:]
+    # the verify play's promises held for the real engine (its own process on its port, no
+    # unit restarted)
+    assert "Verify | Units | Every unit active, running and not restarted" in out
     rows = smoke_rows(out)
     for check in ("models", "key", "stream", "completions"):
         assert rows.get(check, ("missing",))[0] == "ok", (check, rows)
@@ -88,6 +92,9 @@ def test_the_unit_runs_the_engines_module_with_the_plans_flags(deployed):
     _, proc, out = deployed
     assert proc.returncode == 0, out[-3000:]
     assert ssh("lab1", "systemctl is-active gpufleet-worker.service").strip() == "active"
+    # the real engine has not crashed since it started (the smoke test's requests included)
+    assert ssh("lab1", "systemctl show -p NRestarts --value gpufleet-worker.service").strip() \
+        == "0"
     pid = ssh("lab1", "systemctl show -p MainPID --value gpufleet-worker.service").strip()
     argv = ssh("lab1", f"tr '\\0' '\\n' < /proc/{pid}/cmdline").split("\n")
     assert argv[:3] == [f"{VENV}/bin/python", "-m", "vllm.entrypoints.openai.api_server"], argv
@@ -110,6 +117,7 @@ def test_its_metrics_are_the_ones_the_standin_claims_and_the_dashboard_reads(dep
     assert not wrong, "\n".join(wrong)
 
 
+@pytest.mark.slow  # two deploys more (a flag the parser refuses: test_dry_parse_lab.py)
 def test_a_flag_the_real_engine_refuses_fails_the_deploy_naming_the_unit(deployed, tmp_path):
     """--reasoning-parser takes any word on the command line (the flag table has no choices
     for it); vLLM refuses an unknown parser when it starts. The deploy says which unit and

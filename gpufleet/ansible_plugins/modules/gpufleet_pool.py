@@ -22,9 +22,9 @@ description:
     not keep; a router that does not answer, or none of whose workers the plan keeps (it
     names its workers otherwise), is left alone.
   - C(state=settled) waits until the I(router) lists healthy only workers that answer their
-    health check (I(health_path)): a router that has just started takes every worker of its
-    flags as healthy and sends requests to one that is down until its own health check has
-    failed it. Sends nothing; fails, naming the worker, after I(wait_s).
+    health check (I(health_path)), since a router that has just started takes every worker
+    of its flags as healthy and sends requests to one that is down until its own health
+    check has failed it. Sends nothing; fails, naming the worker, after I(wait_s).
   - In check mode it reads the routers (a refusal is reported as it would be) and sends
     nothing.
 options:

@@ -128,29 +128,34 @@ def unserved(listing, health_path, timeout):
 
 
 def settled(router, p, check_mode):
-    """Wait until the router routes only to workers that serve: a router that starts takes
-    every worker of its flags as healthy and sends requests to one that is down until its
-    own health check has failed it (seconds), so the next router of the pool restarts only
-    then. Sends nothing."""
+    """Wait until the router routes only to workers that serve, and to one at least: a
+    router that starts takes every worker of its flags as healthy and sends requests to one
+    that is down until its own health check has failed it (seconds), and sglang-router adds
+    the workers of its flags in the background after it answers; the next router of the pool
+    restarts only then. Sends nothing."""
     if check_mode:
         return []
-    found = []
+    last = {}  # its listing (None: it does not answer) and those it lists healthy that do not
 
     def check():
-        listing = workers(router)
-        found[:] = [None] if listing is None else \
-            unserved(listing, p["health_path"], p["interval"] + 1)
-        return not found
+        last["listing"] = workers(router)
+        last["down"] = unserved(last["listing"] or [], p["health_path"], p["interval"] + 1)
+        return not last["down"] and any(w.get("is_healthy") for w in last["listing"] or [])
     if poll(check, p["wait_s"], p["interval"]):
         return []
-    if found == [None]:
-        raise PoolError(f"{router['unit']} does not answer {router['workers_url']} "
-                        f"{p['wait_s']} s after it started. Fix: fab logs --role router")
-    raise PoolError(
-        f"{router['unit']} still lists {', '.join(found)} healthy {p['wait_s']} s after it "
-        f"started, though it does not answer {p['health_path']}: requests sent there fail. "
-        "Fix: fab status names the worker that is down; bring it back (fab logs) or lower "
-        "gpufleet_workers, then run the restart again")
+    after = f"{p['wait_s']} s after it started"
+    if last["listing"] is None:
+        raise PoolError(f"{router['unit']} does not answer {router['workers_url']} {after}. "
+                        "Fix: fab logs --role router")
+    if last["down"]:
+        raise PoolError(
+            f"{router['unit']} still lists {', '.join(last['down'])} healthy {after}, though "
+            f"it does not answer {p['health_path']}: requests sent there fail. Fix: fab status "
+            "names the worker that is down; bring it back (fab logs) or lower "
+            "gpufleet_workers, then run the restart again")
+    raise PoolError(f"{router['unit']} lists no healthy worker {after}. Fix: fab status names "
+                    "the workers that are down; bring them back (fab logs), then run the "
+                    "restart again")
 
 
 def dropped(drop, check_mode):

@@ -18,8 +18,8 @@ it. What only a real engine shows, checked through the deployment:
   start, and the deploy fails naming the unit and the engine's own words; the deployment
   before it is back by the next deploy.
 
-One deploy, shared by the tests here: they run in every test run (about 5 minutes, the
-first time after a wipe of the lab's caches with the fetch of the lock's files) but the
+One deploy, shared by the tests here: they run in every test run (about 3.5 minutes, also
+the first time after a wipe of the lab's caches, with the fetch of the lock's files) but the
 refused flag, which deploys twice more (``--slow``). The pool (two hosts behind vllm-router,
 rolled under load with the real SIGTERM drain) is test_lab_cpu_pool.py, ``--slow``.
 """

@@ -175,6 +175,8 @@ def test_a_router_just_started_is_waited_for_until_it_routes_only_to_workers_tha
     again = start_router(engine, procs, tmp_path, [worker_url(first), worker_url(second)],
                          "router-1")
     pool_router["workers_url"] = f"http://127.0.0.1:{again.ports['http']}/workers"
+    # sglang-router adds the workers of its flags in the background: the wait ends only
+    # once it lists one healthy
     pool.settled(pool_router, args, check_mode=False)
     now = listed(again)
     assert now[worker_url(first)]["is_healthy"]
@@ -193,6 +195,12 @@ def test_a_router_just_started_is_waited_for_until_it_routes_only_to_workers_tha
     gone = {**late_router, "workers_url": f"http://127.0.0.1:{free_port()}/workers"}
     with pytest.raises(pool.PoolError, match="does not answer"):
         pool.settled(gone, {**args, "wait_s": 1}, check_mode=False)
+    # a router whose every worker is down routes nowhere: not settled either
+    procs.servers[0].stop()
+    pool.poll(lambda: not listed(again)[worker_url(first)]["is_healthy"], 20, 0.2)
+    with pytest.raises(pool.PoolError, match="router-1.service lists no healthy worker 1 s"):
+        pool.settled({**pool_router, "unit": "gpufleet-router-1.service"}, {**args, "wait_s": 1},
+                     check_mode=False)
 
 
 ROUND = """

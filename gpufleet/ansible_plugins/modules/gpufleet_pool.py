@@ -21,10 +21,12 @@ description:
   - C(state=dropped) takes out of a router's pool every worker it lists that the plan does
     not keep; a router that does not answer, or none of whose workers the plan keeps (it
     names its workers otherwise), is left alone.
-  - C(state=settled) waits until the I(router) lists healthy only workers that answer their
-    health check (I(health_path)), since a router that has just started takes every worker
-    of its flags as healthy and sends requests to one that is down until its own health
-    check has failed it. Sends nothing; fails, naming the worker, after I(wait_s).
+  - C(state=settled) waits until the I(router) lists one healthy worker at least and
+    healthy only workers that answer their health check (I(health_path)), since a router
+    that has just started takes every worker of its flags as healthy and sends requests to
+    one that is down until its own health check has failed it (and sglang-router adds the
+    workers of its flags in the background). Sends nothing; fails, naming the worker, after
+    I(wait_s).
   - In check mode it reads the routers (a refusal is reported as it would be) and sends
     nothing.
 options:
@@ -49,8 +51,8 @@ options:
     default: /health
   wait_s:
     description: Seconds to wait for another healthy worker (out), for the worker listed
-      healthy again (in; 0 sends the calls only), or for the router to list healthy only
-      workers that answer (settled).
+      healthy again (in; 0 sends the calls only), or for the router to list healthy one
+      worker at least and only workers that answer (settled).
     type: int
     default: 60
   unlist_s:
